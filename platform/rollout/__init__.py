@@ -1,0 +1,19 @@
+"""Rollout Platform: vLLM rollouts for RL trainers, served by Ray Serve."""
+
+from rollout.api import RolloutChunk, RolloutRequest, RolloutResult, Sample, SamplingConfig, WeightVersionSpan
+from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, RolloutError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RolloutChunk",
+    "RolloutRequest",
+    "RolloutResult",
+    "Sample",
+    "SamplingConfig",
+    "WeightVersionSpan",
+    "RolloutError",
+    "InvalidRequestError",
+    "AuthenticationError",
+    "EngineUnavailableError",
+]

@@ -1,0 +1,88 @@
+"""Builds the Serve application from a :class:`PlatformConfig`.
+
+Importable as ``rollout.app:build`` for ``serve run`` and a KubeRay ``serveConfigV2``;
+``args`` is either the config mapping itself or ``{"config_file": PATH}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from ray import serve
+from ray.serve import Application
+
+from rollout.config import PlatformConfig, load_config
+from rollout.engine.args import placement, resolve_device
+
+logger = logging.getLogger(__name__)
+
+INGRESS_NAME = "RolloutIngress"
+
+
+def config_from_args(args: Mapping[str, Any] | PlatformConfig | None) -> PlatformConfig:
+    if isinstance(args, PlatformConfig):
+        return args
+    args = dict(args or {})
+    if "config_file" in args:
+        extra = set(args) - {"config_file"}
+        if extra:
+            raise ValueError(f"args: config_file cannot be combined with {sorted(extra)}")
+        return load_config(args["config_file"])
+    return load_config(args)
+
+
+def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any]:
+    d = cfg.deployment
+    opts: dict[str, Any] = dict(
+        name=d.name,
+        max_ongoing_requests=d.resolved_max_ongoing_requests(cfg.model),
+        health_check_period_s=d.health_check_period_s,
+        health_check_timeout_s=d.health_check_timeout_s,
+        # vLLM shuts its engine core down cleanly within this window.
+        graceful_shutdown_timeout_s=30,
+        **placement(cfg.model, device, d.num_cpus),
+    )
+    if d.autoscaling is None:
+        opts["num_replicas"] = d.replicas
+    else:
+        a = d.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "initial_replicas": max(a.min_replicas, 1),
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
+        }
+    return opts
+
+
+def build_application(cfg: PlatformConfig) -> Application:
+    from rollout.engine.replica import RolloutEngine
+    from rollout.http.ingress import HttpIngress
+
+    device = resolve_device(cfg.model)
+    logger.info("building app %r on %s: %s", cfg.app_name, device, cfg.model.path)
+    config = cfg.model_dump(mode="json")
+    engine = serve.deployment(RolloutEngine).options(**engine_deployment_options(cfg, device)).bind(config, device)
+    ingress = serve.deployment(HttpIngress).options(
+        name=INGRESS_NAME,
+        num_replicas=1,
+        # The ingress only forwards; it must never be the bottleneck in front of the engines.
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(engine, config)
+
+
+def build(args: Mapping[str, Any] | None = None) -> Application:
+    """Entry point for ``serve run rollout.app:build`` and RayService ``import_path``."""
+    return build_application(config_from_args(args))
+
+
+def deploy(cfg: PlatformConfig, blocking: bool = False) -> None:
+    """Start Serve's HTTP proxy on the configured port and run the application."""
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    serve.run(build_application(cfg), name=cfg.app_name, route_prefix=cfg.http.route_prefix, blocking=blocking)

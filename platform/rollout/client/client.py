@@ -1,0 +1,128 @@
+"""``RolloutClient``: the one object a trainer uses to get rollouts.
+
+The trainer never touches vLLM or Serve types: requests and results are the pydantic
+models of :mod:`rollout.api`, errors are the typed exceptions of :mod:`rollout.errors`.
+
+    client = RolloutClient.connect(app_name="rollout")         # inside the Ray cluster
+    client = RolloutClient.http("http://host:8000", api_key=k)  # from anywhere
+    results = client.generate_sync([RolloutRequest(prompt="2+2=", n=8)])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+
+from pydantic import ValidationError
+
+from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
+from rollout.client.transport import Transport
+from rollout.errors import from_validation_error
+
+RequestLike = Union[RolloutRequest, dict]
+
+
+def _as_requests(requests: Sequence[RequestLike]) -> list[RolloutRequest]:
+    out = []
+    for i, r in enumerate(requests):
+        try:
+            out.append(r if isinstance(r, RolloutRequest) else RolloutRequest.model_validate(r))
+        except ValidationError as e:
+            raise from_validation_error(e, f"requests[{i}]") from None
+    return out
+
+
+class _LoopThread:
+    """A private event loop for the blocking API, so it works in scripts and notebooks alike."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-client", daemon=True)
+        self._thread.start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class RolloutClient:
+    def __init__(self, transport_factory, description: str):
+        # Transports hold loop-bound resources (HTTP connection pools, handle routers),
+        # so one is made per event loop that uses the client.
+        self._factory = transport_factory
+        self._transports: dict[int, Transport] = {}
+        self._sync: Optional[_LoopThread] = None
+        self.description = description
+
+    @classmethod
+    def connect(cls, app_name: str = "rollout", deployment: str = "RolloutEngine", batch_size: int = 64) -> "RolloutClient":
+        """A client over a Serve handle; call from a process attached to the Ray cluster."""
+        from rollout.client.handle import HandleTransport
+
+        return cls(lambda: HandleTransport.from_app(app_name, deployment, batch_size), f"serve://{app_name}/{deployment}")
+
+    @classmethod
+    def http(cls, base_url: str, api_key: Optional[str] = None, timeout_s: float = 600.0) -> "RolloutClient":
+        """A client over the HTTP ingress, from outside the Ray cluster."""
+        from rollout.client.http import HttpTransport
+
+        return cls(lambda: HttpTransport(base_url, api_key, timeout_s), base_url)
+
+    def _transport(self) -> Transport:
+        key = id(asyncio.get_running_loop())
+        if key not in self._transports:
+            self._transports[key] = self._factory()
+        return self._transports[key]
+
+    async def generate(self, requests: Sequence[RequestLike]) -> list[RolloutResult]:
+        """Sample every request; results are in request order."""
+        reqs = _as_requests(requests)
+        if not reqs:
+            return []
+        return await self._transport().generate(reqs)
+
+    async def stream(self, request: RequestLike) -> AsyncIterator[RolloutChunk]:
+        """Yield a request's tokens as they are generated. Leaving the loop aborts it."""
+        (req,) = _as_requests([request])
+        async for chunk in self._transport().stream(req):
+            yield chunk
+
+    async def stats(self) -> Any:
+        """Load and weight version of one engine replica (handle transport only)."""
+        return await self._transport().stats()
+
+    # ---- blocking API ---------------------------------------------------------------
+
+    def _loop(self) -> _LoopThread:
+        if self._sync is None:
+            self._sync = _LoopThread()
+        return self._sync
+
+    def generate_sync(self, requests: Sequence[RequestLike]) -> list[RolloutResult]:
+        return self._loop().run(self.generate(requests))
+
+    def stream_sync(self, request: RequestLike) -> Iterator[RolloutChunk]:
+        loop = self._loop()
+        agen = self.stream(request).__aiter__()
+        try:
+            while True:
+                try:
+                    yield loop.run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run(agen.aclose())
+
+    def close(self) -> None:
+        if self._sync is not None:
+            for t in list(self._transports.values()):
+                try:
+                    self._sync.run(t.close())
+                except Exception:
+                    pass
+            self._sync.stop()
+            self._sync = None
+        self._transports.clear()

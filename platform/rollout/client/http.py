@@ -1,0 +1,54 @@
+"""Transport over the HTTP ingress (trainer outside the Ray cluster)."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Optional, Sequence
+
+import httpx
+
+from rollout.api import RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult
+from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, RolloutError
+
+
+def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
+    """Turn an error response of the ingress into the matching typed exception."""
+    if resp.status_code < 400:
+        return
+    raw = body if body is not None else resp.content
+    try:
+        err = json.loads(raw).get("error", {})
+    except ValueError:
+        err = {"message": raw.decode(errors="replace")}
+    message = err.get("message", f"HTTP {resp.status_code}")
+    if resp.status_code in (401, 403):
+        raise AuthenticationError(message)
+    if resp.status_code in (400, 404, 413, 422):
+        raise InvalidRequestError(err.get("field", "request"), message)
+    if resp.status_code == 503:
+        raise EngineUnavailableError(message)
+    raise RolloutError(f"HTTP {resp.status_code}: {message}")
+
+
+class HttpTransport:
+    def __init__(self, base_url: str, api_key: Optional[str], timeout_s: float):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
+        body = RolloutBatch(requests=list(requests)).model_dump(mode="json", exclude_none=True)
+        resp = await self._client.post("/v1/rollouts", json=body)
+        raise_for_error(resp)
+        return RolloutBatchResult.model_validate_json(resp.content).results
+
+    async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
+        body = request.model_dump(mode="json", exclude_none=True)
+        async with self._client.stream("POST", "/v1/rollouts/stream", json=body) as resp:
+            if resp.status_code >= 400:
+                raise_for_error(resp, await resp.aread())
+            async for line in resp.aiter_lines():
+                if line.strip():
+                    yield RolloutChunk.model_validate_json(line)
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,267 @@
+"""The one source of configuration truth for the platform.
+
+Every knob of the platform is a documented, range-checked field of
+:class:`PlatformConfig`. The same models feed the CLI (``rollout serve --config``),
+the Serve application (``rollout.app:build``), the README's configuration reference
+and, later, the Helm chart's ``values.schema.json``; nothing is configured anywhere else.
+
+A config file is YAML; the smallest one names only the model::
+
+    model: {path: /models/demo}
+
+Environment variables override the file: ``ROLLOUT_<SECTION>__<FIELD>=value``
+(for example ``ROLLOUT_HTTP__PORT=9000``). Values are parsed as YAML scalars.
+Secrets never live in the config: the HTTP API key comes from ``ROLLOUT_API_KEY``
+or from the file named by ``http.api_key_file``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "ROLLOUT_"
+ENV_NESTED_DELIMITER = "__"
+API_KEY_ENV = "ROLLOUT_API_KEY"
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos, and a typo in a config file must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The model every engine replica serves, and how vLLM runs it."""
+
+    path: str = Field(
+        description="Directory (or hub-style id already present locally) of the HF-format model weights."
+    )
+    tokenizer: Optional[str] = Field(
+        default=None, description="Tokenizer directory; defaults to `path`."
+    )
+    served_name: Optional[str] = Field(
+        default=None,
+        description="Model name reported by `/v1/models` and accepted by the OpenAI endpoints; defaults to the directory name of `path`.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weight and activation dtype passed to vLLM."
+    )
+    max_model_len: Optional[int] = Field(
+        default=None,
+        ge=16,
+        le=1_048_576,
+        description="Context length (prompt + generated tokens), 16..1048576; defaults to the model's own.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="GPUs per engine replica (tensor parallelism), 1..64."
+    )
+    max_num_seqs: int = Field(
+        default=256,
+        ge=1,
+        le=4096,
+        description="Most sequences one engine schedules at once, 1..4096. Replica concurrency is sized from it.",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of accelerator memory (on CPU: of one NUMA node's memory) vLLM may use, (0, 1]. Ignored when `kv_cache_memory_bytes` is set.",
+    )
+    kv_cache_memory_bytes: Optional[int] = Field(
+        default=None,
+        ge=1 << 20,
+        description="Exact KV-cache size in bytes (>= 1 MiB); overrides `gpu_memory_utilization`.",
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse KV-cache blocks of shared prompt prefixes."
+    )
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Engine seed, 0..2^31-1.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="Where replicas run: `cuda` reserves GPUs through placement groups, `cpu` none; `auto` uses GPUs when the Ray cluster has any.",
+    )
+    enforce_eager: bool = Field(
+        default=False, description="Disable CUDA graphs / compilation (faster start, slower decode)."
+    )
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+    @property
+    def name(self) -> str:
+        return self.served_name or Path(self.path).name
+
+
+class AutoscalingConfig(_Section):
+    """Serve autoscaling bounds and timing for the engine deployment.
+
+    Defaults suit LLM engines (slow to start, expensive to hold), not Serve's web defaults.
+    """
+
+    min_replicas: int = Field(default=1, ge=0, le=1024, description="Fewest replicas, 0..1024 (0 allows scale to zero).")
+    max_replicas: int = Field(default=4, ge=1, le=1024, description="Most replicas, 1..1024, >= min_replicas.")
+    target_ongoing_requests: float = Field(
+        default=64.0,
+        gt=0,
+        description="Ongoing sequences per replica the autoscaler aims for (> 0).",
+    )
+    upscale_delay_s: float = Field(default=30.0, ge=0, description="Seconds load must stay high before adding replicas (>= look_back_period_s).")
+    downscale_delay_s: float = Field(default=300.0, ge=0, description="Seconds load must stay low before removing replicas (>= look_back_period_s).")
+    look_back_period_s: float = Field(default=30.0, gt=0, description="Window (s) over which load is averaged (> 0).")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})"
+            )
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(self, name) < self.look_back_period_s:
+                # A delay shorter than the averaging window reacts to noise: flapping.
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be >= look_back_period_s ({self.look_back_period_s})"
+                )
+        return self
+
+
+class DeploymentConfig(_Section):
+    """How the engine deployment runs in Ray Serve."""
+
+    name: str = Field(default="RolloutEngine", description="Serve deployment name of the engine.")
+    replicas: int = Field(default=1, ge=0, le=1024, description="Fixed replica count when `autoscaling` is unset, 0..1024.")
+    autoscaling: Optional[AutoscalingConfig] = Field(
+        default=None, description="Autoscaling settings; unset means a fixed `replicas` count."
+    )
+    max_ongoing_requests: Optional[int] = Field(
+        default=None,
+        ge=1,
+        le=65536,
+        description="Concurrent calls per replica, 1..65536; unset derives it from `model.max_num_seqs` (Serve's default of 5 starves an LLM engine).",
+    )
+    num_cpus: float = Field(default=1.0, ge=0, description="Ray CPUs reserved per engine replica (>= 0).")
+    health_check_period_s: float = Field(default=10.0, gt=0, description="Seconds between replica health checks (> 0).")
+    health_check_timeout_s: float = Field(default=30.0, gt=0, description="Seconds before a health check counts as failed (> 0).")
+    stuck_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A replica with work in flight that produces no token for this long is reported unhealthy (> 0).",
+    )
+    client_batch_size: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Requests per handle call when a batch is split across replicas, 1..4096. Fewer, larger calls keep Serve's per-call cost off the engine's CPU.",
+    )
+
+    def resolved_max_ongoing_requests(self, model: ModelConfig) -> int:
+        return self.max_ongoing_requests or model.max_num_seqs
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeploymentConfig":
+        return self
+
+
+class LimitsConfig(_Section):
+    """Per-request limits enforced before anything reaches the engine."""
+
+    max_n: int = Field(default=64, ge=1, le=1024, description="Most samples per request (`n`), 1..1024.")
+    max_requests_per_call: int = Field(
+        default=4096, ge=1, le=1_000_000, description="Most requests in one `/v1/rollouts` body or `generate` call."
+    )
+
+
+class HttpConfig(_Section):
+    """The HTTP ingress (token-level API and OpenAI-compatible endpoints)."""
+
+    host: str = Field(default="0.0.0.0", description="Address Serve's HTTP proxy binds.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Serve HTTP port, 1..65535.")
+    route_prefix: str = Field(default="/", description="Route prefix of the application.")
+    api_key_file: Optional[str] = Field(
+        default=None,
+        description=f"File holding the Bearer API key. `{API_KEY_ENV}` takes precedence. No key means the API is open (a warning is logged).",
+    )
+
+    def resolve_api_key(self) -> Optional[str]:
+        """The API key, from the environment or the key file; ``None`` when open."""
+        key = os.environ.get(API_KEY_ENV)
+        if key:
+            return key.strip()
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).read_text().strip()
+            except OSError as e:
+                raise ValueError(f"http.api_key_file: cannot read {self.api_key_file!r}: {e}") from e
+            if not key:
+                raise ValueError(f"http.api_key_file: {self.api_key_file!r} is empty")
+            return key
+        return None
+
+
+class MetricsConfig(_Section):
+    """Prometheus metrics."""
+
+    enabled: bool = Field(default=True, description="Export Prometheus metrics.")
+    port: int = Field(default=8080, ge=1, le=65535, description="Ray metrics-export port, 1..65535.")
+
+
+class PlatformConfig(_Section):
+    """Everything the platform needs to serve rollouts."""
+
+    app_name: str = Field(default="rollout", description="Serve application name; clients connect by it.")
+    model: ModelConfig
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    sections = set(PlatformConfig.model_fields)
+    tree: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or ENV_NESTED_DELIMITER not in key:
+            continue
+        parts = key[len(ENV_PREFIX):].lower().split(ENV_NESTED_DELIMITER)
+        if parts[0] not in sections:
+            continue
+        node = tree
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    return tree
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> PlatformConfig:
+    """Load a config from a YAML file (or a mapping) and apply environment overrides."""
+    if source is None:
+        data: dict[str, Any] = {}
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        text = Path(source).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: a config file must be a YAML mapping, got {type(data).__name__}")
+    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
+    return PlatformConfig.model_validate(data)

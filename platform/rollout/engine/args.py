@@ -1,0 +1,60 @@
+"""vLLM engine arguments and Serve placement from :class:`rollout.config.ModelConfig`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rollout.config import ModelConfig
+
+
+def resolve_device(model: ModelConfig) -> Literal["cpu", "cuda"]:
+    """``auto`` means GPUs when the Ray cluster has any (decided where the app is built)."""
+    if model.device != "auto":
+        return model.device
+    import ray
+
+    if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0:
+        return "cuda"
+    return "cpu"
+
+
+def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.AsyncEngineArgs``."""
+    kw: dict[str, Any] = dict(
+        model=model.path,
+        tokenizer=model.tokenizer_path,
+        served_model_name=model.name,
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        tensor_parallel_size=model.tensor_parallel_size,
+        max_num_seqs=model.max_num_seqs,
+        enable_prefix_caching=model.enable_prefix_caching,
+        seed=model.seed,
+        enforce_eager=model.enforce_eager,
+        # Scheduler stats feed health checks, stats() and metrics.
+        disable_log_stats=False,
+    )
+    if model.kv_cache_memory_bytes is not None:
+        kw["kv_cache_memory_bytes"] = model.kv_cache_memory_bytes
+    else:
+        kw["gpu_memory_utilization"] = model.gpu_memory_utilization
+    if device == "cuda" and model.tensor_parallel_size > 1:
+        # Workers go into the replica's placement group (see placement()).
+        kw["distributed_executor_backend"] = "ray"
+    return kw
+
+
+def placement(model: ModelConfig, device: str, num_cpus: float) -> dict[str, Any]:
+    """Serve deployment options reserving the replica's resources."""
+    if device != "cuda":
+        return {"ray_actor_options": {"num_cpus": num_cpus}}
+    tp = model.tensor_parallel_size
+    if tp == 1:
+        return {"ray_actor_options": {"num_cpus": num_cpus, "num_gpus": 1}}
+    # One bundle for the replica actor, one GPU bundle per tensor-parallel worker,
+    # packed on one node so NCCL runs over NVLink.
+    return {
+        "ray_actor_options": {"num_cpus": num_cpus},
+        "placement_group_bundles": [{"CPU": num_cpus}] + [{"GPU": 1, "CPU": 1}] * tp,
+        "placement_group_strategy": "STRICT_PACK",
+    }

@@ -1,0 +1,68 @@
+"""Translation between our API models and vLLM's types (the only place that knows both)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from rollout.api import RolloutChunk, Sample, SamplingConfig, WeightVersionSpan
+
+
+def to_sampling_params(cfg: SamplingConfig, n: int, stream: bool = False) -> SamplingParams:
+    return SamplingParams(
+        n=n,
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        seed=cfg.seed,
+        stop=list(cfg.stop) or None,
+        stop_token_ids=list(cfg.stop_token_ids) or None,
+        ignore_eos=cfg.ignore_eos,
+        # 0 asks vLLM for the logprob of the sampled token only: what a policy gradient needs.
+        logprobs=0 if cfg.logprobs else None,
+        # Unary calls only need the final output; per-step outputs would cost CPU for nothing.
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def sampled_logprobs(token_ids: list[int], logprobs: Any) -> Optional[list[float]]:
+    if logprobs is None:
+        return None
+    return [float(step[tid].logprob) for tid, step in zip(token_ids, logprobs)]
+
+
+def spans(completion: Any) -> list[WeightVersionSpan]:
+    return [
+        WeightVersionSpan(version=str(s.version), start=s.start, end=s.end)
+        for s in (completion.weight_versions or [])
+    ]
+
+
+def to_sample(completion: Any) -> Sample:
+    token_ids = list(completion.token_ids)
+    return Sample(
+        token_ids=token_ids,
+        logprobs=sampled_logprobs(token_ids, completion.logprobs),
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        text=completion.text,
+        weight_versions=spans(completion),
+    )
+
+
+def to_chunk(request_id: str, completion: Any, prompt_token_ids: Optional[list[int]] = None) -> RolloutChunk:
+    token_ids = list(completion.token_ids)
+    return RolloutChunk(
+        request_id=request_id,
+        index=completion.index,
+        token_ids=token_ids,
+        logprobs=sampled_logprobs(token_ids, completion.logprobs),
+        text=completion.text or "",
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        weight_versions=spans(completion),
+        prompt_token_ids=prompt_token_ids,
+    )

@@ -1,0 +1,71 @@
+"""Engine state as vLLM's scheduler reports it, collected through vLLM's stat-logger hook."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+from pydantic import BaseModel
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+
+class EngineStats(BaseModel):
+    """A replica's load and state. ``updated_at`` is the wall-clock time of the last engine step seen."""
+
+    replica_id: str = ""
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    inflight_requests: int = 0
+    weight_version: str = ""
+    max_num_seqs: int = 0
+    updated_at: float = 0.0
+
+
+class SchedulerSnapshot:
+    """Latest scheduler numbers plus cumulative prefix-cache counters, shared with the replica."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.last_step_monotonic = time.monotonic()
+        self.last_step_wall = 0.0
+
+    def update(self, scheduler_stats: Any) -> None:
+        with self._lock:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            pcs = scheduler_stats.prefix_cache_stats
+            if pcs is not None:
+                self.prefix_cache_queries += pcs.queries
+                self.prefix_cache_hits += pcs.hits
+            self.last_step_monotonic = time.monotonic()
+            self.last_step_wall = time.time()
+
+    def seconds_since_step(self) -> float:
+        return time.monotonic() - self.last_step_monotonic
+
+
+def stat_logger_factory(snapshot: SchedulerSnapshot):
+    """A vLLM ``StatLoggerFactory`` feeding ``snapshot``; vLLM's own loggers stay enabled beside it."""
+
+    class _SnapshotLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Optional[Any], iteration_stats: Optional[Any], mm_cache_stats: Any = None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                snapshot.update(scheduler_stats)
+
+        def log_engine_initialized(self):
+            pass
+
+    return _SnapshotLogger

@@ -1,0 +1,49 @@
+"""Checks that depend on the served model: vocabulary, context length, the cap on ``n``.
+
+Static checks (types, ranges, exactly one prompt form) are in the pydantic models of
+:mod:`rollout.api`; these run in the engine replica, which knows the model, before a
+request is handed to vLLM, so a bad request never costs engine work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from rollout.api import RolloutRequest
+from rollout.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    max_n: int
+
+
+def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequestError(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_request(req: RolloutRequest, prompt_ids: Sequence[int], limits: ModelLimits) -> None:
+    """Raise :class:`InvalidRequestError` naming the field when ``req`` cannot run."""
+    if req.n > limits.max_n:
+        raise InvalidRequestError("n", f"{req.n} samples requested; the limit is limits.max_n={limits.max_n}")
+    if req.prompt_token_ids is not None:
+        _check_ids("prompt_token_ids", req.prompt_token_ids, limits.vocab_size)
+    _check_ids("sampling.stop_token_ids", req.sampling.stop_token_ids, limits.vocab_size)
+    prompt_field = "prompt_token_ids" if req.prompt_token_ids is not None else ("prompt" if req.prompt is not None else "messages")
+    if len(prompt_ids) >= limits.max_model_len:
+        raise InvalidRequestError(
+            prompt_field,
+            f"prompt is {len(prompt_ids)} tokens; it must be shorter than max_model_len={limits.max_model_len}",
+        )
+    room = limits.max_model_len - len(prompt_ids)
+    if req.sampling.max_tokens > room:
+        raise InvalidRequestError(
+            "sampling.max_tokens",
+            f"{req.sampling.max_tokens} exceeds the context: prompt is {len(prompt_ids)} tokens, "
+            f"max_model_len={limits.max_model_len}, so at most {room} can be generated",
+        )

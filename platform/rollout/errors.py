@@ -1,0 +1,71 @@
+"""Typed errors that cross process boundaries (Serve handles pickle them)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from pydantic import ValidationError
+
+
+class RolloutError(Exception):
+    """Base class of every error the platform raises on purpose."""
+
+
+class InvalidRequestError(RolloutError, ValueError):
+    """A request was rejected before it reached the engine.
+
+    ``field`` is the dotted path of the offending field (for example
+    ``requests[2].sampling.max_tokens``) so a caller can fix it without guessing.
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+    def __reduce__(self):
+        # Exceptions pickle through ``args``; ours has two of them.
+        return (type(self), (self.field, self.message))
+
+    def at(self, prefix: str) -> "InvalidRequestError":
+        """The same error, located under ``prefix`` (e.g. the request's index in a batch)."""
+        field = f"{prefix}.{self.field}" if self.field and not self.field.startswith("[") else f"{prefix}{self.field}"
+        return InvalidRequestError(field, self.message)
+
+
+class AuthenticationError(RolloutError):
+    """Missing or wrong credentials."""
+
+
+class EngineUnavailableError(RolloutError):
+    """The engine is dead, stuck or shutting down."""
+
+
+def loc_to_field(loc: Iterable[object]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def from_validation_error(err: ValidationError, prefix: str = "") -> InvalidRequestError:
+    """The first problem of a pydantic ``ValidationError`` as an ``InvalidRequestError``."""
+    first = err.errors()[0]
+    field = loc_to_field(first.get("loc", ()))
+    if prefix:
+        field = f"{prefix}.{field}" if field and not field.startswith("[") else f"{prefix}{field}"
+    return InvalidRequestError(field or prefix or "request", first.get("msg", str(err)))
+
+
+def unwrap_remote(err: BaseException) -> BaseException:
+    """The original exception behind a Ray/Serve wrapper (``RayTaskError.cause``)."""
+    seen = 0
+    while seen < 8:
+        cause = getattr(err, "cause", None)
+        if not isinstance(cause, BaseException) or cause is err:
+            return err
+        err, seen = cause, seen + 1
+    return err

@@ -1,0 +1,140 @@
+"""Build the demo/test model in code: no hub downloads anywhere.
+
+A Qwen2-architecture causal LM with random weights and a byte-level BPE tokenizer
+trained here on a seeded synthetic corpus, both written with ``save_pretrained``.
+Everything is a function of the seed and the size preset, so two builds are identical.
+
+Why these settings: head_dim must be 64 (vLLM's CPU attention rejects 16); untied
+embeddings with ``initializer_range=0.2`` make greedy output varied and dependent on
+the prompt. With tied embeddings and the default init an untrained model repeats the
+last prompt token, which would let a broken engine pass token-equality tests.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an policy reward model token sample step gradient agent answer question "
+    "value action state return advantage group prompt replica engine weight version "
+    "update train learn fast slow small large red green blue one two three four five "
+    "six seven eight nine ten is are was be has have do does can will not and or but "
+    "if then else for while with from into over under good bad best worst number "
+    "math add sum product equal yes no true false because so when where why how what"
+).split()
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+
+SIZES = {
+    # ~0.7M parameters: fast enough for CI on two cores.
+    "tiny": ModelSize(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256, vocab_size=2048),
+    # ~30M parameters: large enough that weight-sync cost matters on CPU (benchmarks).
+    "medium": ModelSize(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, intermediate_size=1536, vocab_size=8192),
+}
+
+
+def _corpus(seed: int, lines: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        n = rng.randint(4, 16)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 999)))
+        out.append(" ".join(words) + rng.choice([".", "?", "!", ","]))
+    return out
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_model(out_dir: str | Path, seed: int = 0, size: str = "tiny", max_position_embeddings: int = 2048) -> Path:
+    """Write a model + tokenizer to ``out_dir``; return the directory."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"size: unknown preset {size!r}; choose one of {sorted(SIZES)}")
+    spec = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, spec.vocab_size, seed)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.hidden_size // spec.num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        torch_dtype="float32",
+    )
+    assert config.hidden_size // config.num_attention_heads == 64, "vLLM CPU attention needs head_dim 64"
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(str(out))
+    (out / "rollout-model.json").write_text(json.dumps({"seed": seed, "size": size}, indent=2))
+    return out
+
+
+def is_built(out_dir: str | Path) -> bool:
+    out = Path(out_dir)
+    return (out / "config.json").exists() and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
