@@ -164,10 +164,6 @@ class DeploymentConfig(_Section):
     def resolved_max_ongoing_requests(self, model: ModelConfig) -> int:
         return self.max_ongoing_requests or model.max_num_seqs
 
-    @model_validator(mode="after")
-    def _check(self) -> "DeploymentConfig":
-        return self
-
 
 class LimitsConfig(_Section):
     """Per-request limits enforced before anything reaches the engine."""

@@ -179,6 +179,7 @@ class RolloutEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             inflight_requests=self.inflight,
+            unfinished_requests=self.engine.get_num_unfinished_requests(),
             weight_version=await self.engine.get_weight_version(),
             max_num_seqs=self.config.model.max_num_seqs,
             updated_at=s.last_step_wall,

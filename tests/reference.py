@@ -1,0 +1,29 @@
+"""A fresh vLLM engine (``vllm.LLM``) in a Ray actor: the reference our service must match."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class ReferenceLLM:
+    def __init__(self, model_path: str, max_model_len: int, kv_cache_memory_bytes: int):
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            dtype="float32",
+            seed=0,
+            enable_prefix_caching=True,
+        )
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int, **params: Any) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]

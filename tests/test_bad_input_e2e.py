@@ -1,0 +1,83 @@
+"""Bad input is rejected with a 4xx (HTTP) or a typed exception (client) naming the field,
+and the service keeps serving the next valid request."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from rollout.errors import AuthenticationError, InvalidRequestError
+from tests.conftest import API_KEY, MAX_MODEL_LEN, MAX_N
+
+pytestmark = pytest.mark.e2e
+
+OK = {"prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 4}}
+
+# (case, request body, field the error must name, words the message must contain)
+BAD = [
+    ("wrong type", {"prompt_token_ids": "abc"}, "requests[0].prompt_token_ids", "list"),
+    ("max_tokens zero", {**OK, "sampling": {"max_tokens": 0}}, "requests[0].sampling.max_tokens", "greater than or equal to 1"),
+    ("max_tokens over context", {**OK, "sampling": {"max_tokens": MAX_MODEL_LEN}}, "requests[0].sampling.max_tokens", f"max_model_len={MAX_MODEL_LEN}"),
+    ("token id outside vocab", {"prompt_token_ids": [1, 10**6]}, "requests[0].prompt_token_ids[1]", "outside the vocabulary"),
+    ("negative token id", {"prompt_token_ids": [1, -2]}, "requests[0]", ">= 0"),
+    ("prompt longer than context", {"prompt_token_ids": [5] * (MAX_MODEL_LEN + 10)}, "requests[0].prompt_token_ids", f"max_model_len={MAX_MODEL_LEN}"),
+    ("n over cap", {**OK, "n": MAX_N + 1}, "requests[0].n", f"limits.max_n={MAX_N}"),
+    ("two prompt forms", {**OK, "prompt": "hello"}, "requests[0]", "exactly one of"),
+    ("no prompt", {"sampling": {"max_tokens": 4}}, "requests[0]", "exactly one of"),
+    ("unknown field", {**OK, "temprature": 0.5}, "requests[0].temprature", "not permitted"),
+    ("top_p out of range", {**OK, "sampling": {"top_p": 1.5}}, "requests[0].sampling.top_p", "less than or equal to 1"),
+]
+
+
+@pytest.mark.parametrize("case,body,field,words", BAD, ids=[b[0] for b in BAD])
+async def test_http_rejects_bad_request_naming_the_field(base_url, case, body, field, words):
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        r = await c.post("/v1/rollouts", json={"requests": [body]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["field"].startswith(field), err
+        assert words in err["message"], err
+        ok = await c.post("/v1/rollouts", json={"requests": [OK]})
+        assert ok.status_code == 200 and len(ok.json()["results"][0]["samples"][0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("case,body,field,words", BAD, ids=[b[0] for b in BAD])
+async def test_client_raises_typed_error_naming_the_field(handle_client, case, body, field, words):
+    with pytest.raises(InvalidRequestError) as exc:
+        await handle_client.generate([body])
+    assert exc.value.field.startswith(field) and words in exc.value.message
+    (res,) = await handle_client.generate([OK])
+    assert len(res.samples[0].token_ids) == 4
+
+
+async def test_error_names_the_index_of_the_bad_request_in_a_batch(handle_client, base_url):
+    batch = [OK] * 70 + [{**OK, "n": MAX_N + 1}]
+    with pytest.raises(InvalidRequestError) as exc:
+        await handle_client.generate(batch)
+    assert exc.value.field == "requests[70].n"
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        r = await c.post("/v1/rollouts", json={"requests": batch})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "requests[70].n"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}], ids=["missing", "wrong", "not-bearer"])
+async def test_api_key_is_required_on_every_api_route(base_url, headers):
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as c:
+        for method, path, body in [("POST", "/v1/rollouts", {"requests": [OK]}), ("POST", "/v1/completions", {"prompt": "x"}), ("GET", "/v1/models", None)]:
+            r = await c.request(method, path, json=body)
+            assert r.status_code == 401, (path, r.text)
+            assert "API key" in r.json()["error"]["message"]
+
+
+async def test_http_client_raises_authentication_error_on_wrong_key(base_url):
+    from rollout.client import RolloutClient
+
+    c = RolloutClient.http(base_url, api_key="nope")
+    with pytest.raises(AuthenticationError):
+        await c.generate([OK])
+
+
+async def test_healthz_needs_no_key(base_url):
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as c:
+        r = await c.get("/healthz")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
