@@ -59,6 +59,12 @@ def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any
     return opts
 
 
+def sync_backend(cfg: PlatformConfig, device: str) -> str:
+    if cfg.sync.backend != "auto":
+        return cfg.sync.backend
+    return "nccl" if device == "cuda" else "gloo"
+
+
 def build_application(cfg: PlatformConfig) -> Application:
     from rollout.engine.replica import RolloutEngine
     from rollout.http.ingress import HttpIngress
@@ -66,7 +72,19 @@ def build_application(cfg: PlatformConfig) -> Application:
     device = resolve_device(cfg.model)
     logger.info("building app %r on %s: %s", cfg.app_name, device, cfg.model.path)
     config = cfg.model_dump(mode="json")
-    engine = serve.deployment(RolloutEngine).options(**engine_deployment_options(cfg, device)).bind(config, device)
+    coordinator, backend = None, None
+    if cfg.sync.enabled:
+        from rollout.sync.coordinator import COORDINATOR_NAME, WeightSyncCoordinator
+
+        backend = sync_backend(cfg, device)
+        coordinator = serve.deployment(WeightSyncCoordinator).options(
+            name=COORDINATOR_NAME,
+            num_replicas=1,
+            # Every engine replica holds one long poll open, plus publishers.
+            max_ongoing_requests=10_000,
+            ray_actor_options={"num_cpus": 0},
+        ).bind(config, backend)
+    engine = serve.deployment(RolloutEngine).options(**engine_deployment_options(cfg, device)).bind(config, device, coordinator, backend)
     ingress = serve.deployment(HttpIngress).options(
         name=INGRESS_NAME,
         num_replicas=1,

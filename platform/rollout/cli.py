@@ -72,6 +72,14 @@ def _config_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _helm_schema(args: argparse.Namespace) -> int:
+    from rollout.helm_schema import SCHEMA_PATH, write_schema
+
+    out = Path(args.out) if args.out else SCHEMA_PATH
+    print(f"{out}: {'updated' if write_schema(out) else 'up to date'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="rollout", description="Rollout Platform: vLLM rollouts for RL trainers.")
@@ -103,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("config-docs", help="print the configuration reference, or rewrite it in a README")
     c.add_argument("--readme", default=None)
     c.set_defaults(func=_config_docs)
+
+    hs = sub.add_parser("helm-schema", help="write the Helm chart's values.schema.json from the config models")
+    hs.add_argument("--out", default=None, help="output file (default: helm/rollout-platform/values.schema.json)")
+    hs.set_defaults(func=_helm_schema)
 
     args = p.parse_args(argv)
     return args.func(args)

@@ -208,6 +208,22 @@ class MetricsConfig(_Section):
     port: int = Field(default=8080, ge=1, le=65535, description="Ray metrics-export port, 1..65535.")
 
 
+class SyncConfig(_Section):
+    """Weight sync from trainer jobs into every replica."""
+
+    enabled: bool = Field(default=True, description="Deploy the weight-sync coordinator and let trainers publish weights.")
+    backend: Literal["auto", "gloo", "nccl", "ipc"] = Field(
+        default="auto", description="Transport between trainer and engines: `gloo` (CPU), `nccl`/`ipc` (GPU); `auto` picks by device."
+    )
+    pause_mode: Literal["keep", "wait", "abort"] = Field(
+        default="keep",
+        description="Requests in flight during an update: `keep` continues them on the new weights (their spans show the switch), `wait` finishes them first, `abort` ends them.",
+    )
+    timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Deadline (s) of every sync step: rendezvous, transfer, commit, (0, 3600].")
+    bucket_bytes: int = Field(default=256 << 20, ge=1 << 16, le=8 << 30, description="Packed transfer bucket size in bytes, 64 KiB..8 GiB.")
+    token_env: str = Field(default="ROLLOUT_SYNC_TOKEN", description="Environment variable holding the token trainers must present; unset means no token is required (a warning is logged).")
+
+
 class PlatformConfig(_Section):
     """Everything the platform needs to serve rollouts."""
 
@@ -217,6 +233,7 @@ class PlatformConfig(_Section):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:

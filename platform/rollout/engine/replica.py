@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence
 
 from pydantic import ValidationError
 
@@ -37,7 +37,7 @@ def _coerce(req: Any, where: str) -> RolloutRequest:
 class RolloutEngine:
     """Serve deployment class. Build it through :func:`rollout.app.build`."""
 
-    def __init__(self, config: dict[str, Any], device: str):
+    async def __init__(self, config: dict[str, Any], device: str, coordinator: Any = None, sync_backend: Optional[str] = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -47,7 +47,15 @@ class RolloutEngine:
         self.config = PlatformConfig.model_validate(config)
         self.replica_id = self._replica_id()
         self.snapshot = SchedulerSnapshot()
-        args = AsyncEngineArgs(**engine_kwargs(self.config.model, device))
+        kwargs = engine_kwargs(self.config.model, device)
+        if coordinator is not None:
+            from vllm.config import WeightTransferConfig
+
+            from rollout.sync.vllm_plugin import register
+
+            register()  # this process resolves the backend name before vLLM loads plugins
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=sync_backend)
+        args = AsyncEngineArgs(**kwargs)
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.snapshot)])
         mc = self.engine.model_config
         self.limits = ModelLimits(
@@ -59,6 +67,15 @@ class RolloutEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
         self.inflight = 0
+        self.sync = None
+        if coordinator is not None:
+            from rollout.sync.agent import SyncAgent
+
+            ranks = self.config.model.tensor_parallel_size
+            self.sync = SyncAgent(self.engine, coordinator, self.replica_id, ranks, self.config.model.path)
+            # Registration (and catch-up) happen before __init__ returns, so Serve
+            # routes no request here until this replica holds the committed version.
+            await self.sync.start()
         logger.info("replica %s ready: %s, limits %s", self.replica_id, self.config.model.path, self.limits)
 
     @staticmethod
@@ -111,6 +128,8 @@ class RolloutEngine:
     def _raise_if_dead(self) -> None:
         if self.engine.errored:
             raise EngineUnavailableError(f"replica {self.replica_id}: engine is dead: {self.engine.dead_error}")
+        if self.sync is not None and self.sync.broken:
+            raise EngineUnavailableError(f"replica {self.replica_id}: {self.sync.broken}")
 
     # ---- generation -------------------------------------------------------------
 
@@ -209,6 +228,9 @@ class RolloutEngine:
             )
 
     def __del__(self):
+        sync = getattr(self, "sync", None)
+        if sync is not None:
+            sync.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

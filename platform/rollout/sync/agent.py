@@ -1,0 +1,104 @@
+"""The replica side of weight sync: registers with the coordinator, long-polls for
+rounds and drives vLLM's native protocol on its own engine.
+
+Per round: ``pause_generation(mode)`` → ``init_weight_transfer_engine`` →
+``start_weight_update`` → ``update_weights`` (receives every bucket) → report to the
+coordinator → on commit ``finish_weight_update(version)`` → ``resume_generation``.
+Generation stays paused from before the first tensor arrives until the round is
+decided, so no token is ever computed on a mix of two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional
+
+from rollout.sync.checkpoint import checkpoint_spec
+from rollout.sync.plan import RoundPlan
+
+logger = logging.getLogger(__name__)
+
+INITIAL_VERSION_LABEL = "default"  # what vLLM reports before any update
+
+
+def version_of(label: str) -> int:
+    if label == INITIAL_VERSION_LABEL:
+        return 0
+    try:
+        return int(label)
+    except ValueError:
+        raise ValueError(f"engine reports weight version {label!r}, which this platform did not set") from None
+
+
+class SyncAgent:
+    def __init__(self, engine: Any, coordinator: Any, replica_id: str, ranks: int, model_path: str):
+        self.engine = engine
+        self.coordinator = coordinator
+        self.replica_id = replica_id
+        self.ranks = ranks
+        self.params = checkpoint_spec(model_path)
+        self.version = 0
+        self.broken: Optional[str] = None
+        self._task: Optional[asyncio.Task] = None
+
+    async def start(self) -> None:
+        self.version = version_of(await self.engine.get_weight_version())
+        committed = await self._register()
+        if committed > self.version:
+            # No copy of the committed weights exists to catch up from yet: refuse to
+            # serve stale weights rather than silently mixing versions across replicas.
+            self.broken = f"committed version is {committed} but this replica holds {self.version} and cannot catch up"
+            logger.error("replica %s: %s", self.replica_id, self.broken)
+        self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="rollout-sync-agent")
+
+    async def _register(self) -> int:
+        return await self.coordinator.register.remote(self.replica_id, self.ranks, self.version, self.params)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                plan = await self.coordinator.next_round.remote(self.replica_id, self.version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("replica %s: coordinator unreachable (%s); retrying", self.replica_id, e)
+                await asyncio.sleep(1.0)
+                continue
+            if plan is None:
+                continue
+            await self._apply(plan)
+
+    async def _apply(self, plan: RoundPlan) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        t = plan.timeout_s
+        error: Optional[str] = None
+        started = False
+        await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
+        try:
+            try:
+                await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), t)
+                await asyncio.wait_for(self.engine.start_weight_update(), t)
+                started = True
+                await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), t)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
+            outcome = await self.coordinator.report.remote(plan.round_id, self.replica_id, error)
+            if outcome.committed:
+                await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
+                self.version = plan.version
+            elif started:
+                # vLLM loads tensors into the live model as they arrive: after a partial
+                # transfer this replica's weights are a mix, and it must not serve again.
+                self.broken = f"{plan.round_id} aborted mid-transfer ({outcome.error}); weights are inconsistent"
+                logger.error("replica %s: %s", self.replica_id, self.broken)
+            await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version)
+        finally:
+            if self.broken is None:
+                await self.engine.resume_generation()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,26 @@
+"""Trainer-side senders, one module per transport, picked by name.
+
+The receiving side of each transport is a vLLM weight-transfer engine (vLLM's own
+``nccl``/``ipc``, our ``gloo`` in :mod:`rollout.sync.backends.gloo_worker`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from rollout.sync.plan import RoundPlan
+
+
+class Sender(Protocol):
+    def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
+        """Deliver ``tensors`` (in ``plan.params`` order) to every rank of the round."""
+
+
+def make_sender(backend: str) -> Sender:
+    if backend == "gloo":
+        from rollout.sync.backends.gloo_sender import GlooSender
+
+        return GlooSender()
+    raise ValueError(f"backend: no trainer-side sender for {backend!r} in this build (available: 'gloo')")

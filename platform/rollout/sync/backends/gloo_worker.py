@@ -1,0 +1,98 @@
+"""The ``gloo`` weight-transfer engine: vLLM's worker-side interface, for CPU engines.
+
+Registered in vLLM's ``WeightTransferEngineFactory`` (see :mod:`rollout.sync.vllm_plugin`)
+so ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` run on it exactly as they run on vLLM's own NCCL engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from rollout.sync.backends.gloo_group import GlooGroup
+from rollout.sync.wire import DEFAULT_BUCKET_BYTES, ParamSpec, bucket_bytes_of, plan_buckets, unpack
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    timeout_s: float = 60.0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self):
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(
+                f"names, dtype_names and shapes must have one entry per parameter "
+                f"(got {len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)})"
+            )
+
+    def specs(self) -> list[ParamSpec]:
+        return [ParamSpec(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.group: GlooGroup | None = None
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.shutdown()
+        pc = self.parallel_config
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.bucket_bytes = init_info.bucket_bytes
+        self.group = GlooGroup(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s, init_info.group_name
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on
+        # CPU-only torch; gloo's broadcast has completed when wait() returns.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialised: call init_weight_transfer_engine first")
+        specs = update_info.specs()
+        for bucket in plan_buckets(specs, self.bucket_bytes):
+            bucket_specs = [specs[i] for i in bucket]
+            buffer = torch.empty(bucket_bytes_of(bucket_specs), dtype=torch.uint8)
+            self.group.broadcast(buffer, root=0)
+            self.model.load_weights(list(unpack(buffer, bucket_specs)))
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None

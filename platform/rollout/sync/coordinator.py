@@ -1,0 +1,255 @@
+"""The weight-sync coordinator: one Serve replica that knows every live engine replica,
+the committed policy version and the round in progress.
+
+Replicas *pull*: each one long-polls :meth:`next_round`, so the coordinator needs no
+handle to individual Serve replicas and membership is simply "who polled recently".
+A round commits only when the trainer and every member report success before the
+deadline; otherwise it is aborted and the publisher gets the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rollout.config import PlatformConfig
+from rollout.errors import AuthenticationError, InvalidRequestError, RolloutError
+from rollout.sync.plan import RoundOutcome, RoundPlan, assign_ranks
+from rollout.sync.wire import ParamSpec
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_NAME = "WeightSyncCoordinator"
+
+
+class SyncError(RolloutError):
+    """A sync round failed; every replica keeps serving the last committed version."""
+
+
+@dataclass
+class _Replica:
+    ranks: int
+    version: int
+    last_seen: float
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Round:
+    plan: RoundPlan
+    deadline: float
+    reports: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
+    trainer_error: Optional[str] = None
+    trainer_done: bool = False
+    decided: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: Optional[RoundOutcome] = None
+
+
+def check_spec(sent: list[ParamSpec], expected: list[ParamSpec]) -> None:
+    """Reject a publish whose tensors cannot be loaded, naming the first problem."""
+    want = {p.name: p for p in expected}
+    got = {p.name: p for p in sent}
+    unknown = [n for n in got if n not in want]
+    if unknown:
+        raise InvalidRequestError("named_tensors", f"{len(unknown)} unknown parameter names, e.g. {unknown[:3]}")
+    missing = [n for n in want if n not in got]
+    if missing:
+        raise InvalidRequestError("named_tensors", f"{len(missing)} parameters missing, e.g. {missing[:3]}; publish the full model")
+    for name, p in got.items():
+        w = want[name]
+        if p.shape != w.shape:
+            raise InvalidRequestError(f"named_tensors[{name}]", f"shape {list(p.shape)} does not match the model's {list(w.shape)}")
+        if p.dtype != w.dtype:
+            raise InvalidRequestError(f"named_tensors[{name}]", f"dtype {p.dtype} does not match the model's {w.dtype}")
+
+
+class WeightSyncCoordinator:
+    """Serve deployment class (exactly one replica)."""
+
+    def __init__(self, config: dict[str, Any], backend: str):
+        self.config = PlatformConfig.model_validate(config)
+        self.backend = backend
+        self.committed_version = 0
+        self.replicas: dict[str, _Replica] = {}
+        self.params: Optional[list[ParamSpec]] = None
+        self.round: Optional[_Round] = None
+        self.last_outcome: Optional[RoundOutcome] = None
+        self._token = os.environ.get(self.config.sync.token_env) or None
+        if self._token is None:
+            logger.warning("%s is not set: any client that reaches the coordinator can publish weights", self.config.sync.token_env)
+        self.poll_s = 5.0
+
+    # ---- replicas ------------------------------------------------------------------
+
+    async def register(self, replica_id: str, ranks: int, version: int, params: list[ParamSpec]) -> int:
+        """A replica announces itself; returns the committed version it must serve.
+
+        A restarted coordinator starts at version 0 and learns the committed version
+        back from the replicas, which keep it in their engines.
+        """
+        if self.params is None:
+            self.params = list(params)
+        self.committed_version = max(self.committed_version, version)
+        self.replicas[replica_id] = _Replica(ranks=ranks, version=version, last_seen=time.monotonic())
+        logger.info("replica %s registered at version %d (committed %d)", replica_id, version, self.committed_version)
+        return self.committed_version
+
+    async def next_round(self, replica_id: str, version: int) -> Optional[RoundPlan]:
+        """Long poll: the plan of a round this replica is a member of, or None after a while."""
+        r = self.replicas.get(replica_id)
+        if r is None:
+            return None  # unknown (e.g. coordinator restarted): the replica re-registers
+        r.last_seen = time.monotonic()
+        r.version = version
+        plan = self._pending_plan(replica_id)
+        if plan is None:
+            r.wake.clear()
+            try:
+                await asyncio.wait_for(r.wake.wait(), timeout=self.poll_s)
+            except asyncio.TimeoutError:
+                pass
+            r.last_seen = time.monotonic()
+            plan = self._pending_plan(replica_id)
+        return plan
+
+    def _pending_plan(self, replica_id: str) -> Optional[RoundPlan]:
+        rnd = self.round
+        if rnd is None or rnd.decided.is_set() or replica_id in rnd.reports:
+            return None
+        if any(m.replica_id == replica_id for m in rnd.plan.members):
+            return rnd.plan
+        return None
+
+    def _live(self) -> dict[str, int]:
+        horizon = time.monotonic() - 3 * self.poll_s
+        for rid in [rid for rid, r in self.replicas.items() if r.last_seen < horizon]:
+            logger.warning("replica %s stopped polling; dropped from membership", rid)
+            del self.replicas[rid]
+        return {rid: r.ranks for rid, r in self.replicas.items()}
+
+    # ---- rounds --------------------------------------------------------------------
+
+    def _authorize(self, token: Optional[str]) -> None:
+        if self._token is None:
+            return
+        if not token:
+            raise AuthenticationError(f"missing sync token: set {self.config.sync.token_env} for the publisher")
+        if not hmac.compare_digest(token.encode(), self._token.encode()):
+            raise AuthenticationError("wrong sync token")
+
+    async def begin_round(
+        self,
+        token: Optional[str],
+        params: list[ParamSpec],
+        version: Optional[int],
+        master_address: str,
+        master_port: int,
+    ) -> RoundPlan:
+        """Validate a publish and open a round; no replica changes before this succeeds."""
+        self._authorize(token)
+        if self.round is not None and not self.round.decided.is_set():
+            raise SyncError(f"round {self.round.plan.round_id} is still in progress; publish one version at a time")
+        if self.params is None:
+            raise SyncError("no engine replica has registered yet")
+        check_spec(params, self.params)
+        if version is None:
+            version = self.committed_version + 1
+        if version <= self.committed_version:
+            raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.committed_version}")
+        live = self._live()
+        if not live:
+            raise SyncError("no live engine replica to publish to")
+        members, world_size = assign_ranks(live)
+        sync = self.config.sync
+        plan = RoundPlan(
+            round_id=f"round-{version}-{uuid.uuid4().hex[:8]}",
+            version=version,
+            backend=self.backend,
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            members=members,
+            params=tuple(self.params),
+            bucket_bytes=sync.bucket_bytes,
+            pause_mode=sync.pause_mode,
+            timeout_s=sync.timeout_s,
+        )
+        self.round = _Round(plan=plan, deadline=time.monotonic() + 3 * sync.timeout_s)
+        for m in members:
+            self.replicas[m.replica_id].wake.set()
+        asyncio.get_running_loop().create_task(self._enforce_deadline(self.round))
+        logger.info("opened %s: version %d to %d replicas (world size %d)", plan.round_id, version, len(members), world_size)
+        return plan
+
+    async def _enforce_deadline(self, rnd: _Round) -> None:
+        try:
+            await asyncio.wait_for(rnd.decided.wait(), timeout=max(0.0, rnd.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            silent = [m.replica_id for m in rnd.plan.members if m.replica_id not in rnd.reports]
+            self._decide(rnd, f"deadline of {rnd.deadline:.0f}s passed; no report from {silent or 'the trainer'}")
+
+    def _decide(self, rnd: _Round, error: Optional[str] = None) -> None:
+        if rnd.decided.is_set():
+            return
+        failed = [rid for rid, err in rnd.reports.items() if err]
+        if error is None and rnd.trainer_error:
+            error = f"trainer: {rnd.trainer_error}"
+        if error is None and failed:
+            error = "; ".join(f"{rid}: {rnd.reports[rid]}" for rid in failed)
+        committed = error is None
+        if committed:
+            self.committed_version = rnd.plan.version
+        rnd.outcome = RoundOutcome(rnd.plan.round_id, committed, self.committed_version, error or "", failed)
+        self.last_outcome = rnd.outcome
+        rnd.decided.set()
+        log = logger.info if committed else logger.error
+        log("%s %s (committed version %d)%s", rnd.plan.round_id, "committed" if committed else "aborted", self.committed_version, f": {error}" if error else "")
+
+    def _maybe_decide(self, rnd: _Round) -> None:
+        if rnd.trainer_error or any(rnd.reports.values()):
+            self._decide(rnd)
+        elif rnd.trainer_done and all(m.replica_id in rnd.reports for m in rnd.plan.members):
+            self._decide(rnd)
+
+    def _round(self, round_id: str) -> _Round:
+        if self.round is None or self.round.plan.round_id != round_id:
+            raise SyncError(f"unknown round {round_id}")
+        return self.round
+
+    async def report(self, round_id: str, replica_id: str, error: Optional[str]) -> RoundOutcome:
+        """A member received all weights (``error`` None) or failed; wait for the decision."""
+        rnd = self._round(round_id)
+        rnd.reports[replica_id] = error
+        self._maybe_decide(rnd)
+        await rnd.decided.wait()
+        return rnd.outcome
+
+    async def finish(self, round_id: str, error: Optional[str] = None) -> RoundOutcome:
+        """The trainer sent everything (or failed); wait for the decision."""
+        rnd = self._round(round_id)
+        rnd.trainer_done = True
+        rnd.trainer_error = error
+        self._maybe_decide(rnd)
+        await rnd.decided.wait()
+        return rnd.outcome
+
+    async def applied(self, round_id: str, replica_id: str, version: int) -> None:
+        """A member finished applying the decision (serving ``version`` again)."""
+        r = self.replicas.get(replica_id)
+        if r is not None:
+            r.version = version
+
+    async def status(self) -> dict[str, Any]:
+        self._live()
+        return {
+            "committed_version": self.committed_version,
+            "replicas": {rid: {"version": r.version, "ranks": r.ranks} for rid, r in self.replicas.items()},
+            "round_in_progress": self.round.plan.round_id if self.round and not self.round.decided.is_set() else None,
+            "last_outcome": vars(self.last_outcome) if self.last_outcome else None,
+        }

@@ -1,0 +1,78 @@
+"""Messages between publisher, coordinator and replicas for one sync round."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollout.sync.wire import ParamSpec
+
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+@dataclass(frozen=True)
+class Member:
+    replica_id: str
+    rank_offset: int
+    ranks: int  # tensor * pipeline parallel workers of this replica
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Everything a participant needs to join round ``round_id`` committing ``version``."""
+
+    round_id: str
+    version: int
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    members: tuple[Member, ...]
+    params: tuple[ParamSpec, ...]
+    bucket_bytes: int
+    pause_mode: PauseMode
+    timeout_s: float
+
+    def member(self, replica_id: str) -> Member:
+        for m in self.members:
+            if m.replica_id == replica_id:
+                return m
+        raise KeyError(f"replica {replica_id} is not in round {self.round_id}")
+
+    def init_info(self, replica_id: str) -> dict:
+        """The worker-side init info for vLLM's ``init_weight_transfer_engine``."""
+        return dict(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            rank_offset=self.member(replica_id).rank_offset,
+            world_size=self.world_size,
+            group_name=self.round_id,
+            timeout_s=self.timeout_s,
+            bucket_bytes=self.bucket_bytes,
+        )
+
+    def update_info(self) -> dict:
+        return dict(
+            names=[p.name for p in self.params],
+            dtype_names=[p.dtype for p in self.params],
+            shapes=[list(p.shape) for p in self.params],
+        )
+
+
+def assign_ranks(replicas: dict[str, int]) -> tuple[tuple[Member, ...], int]:
+    """Trainer is rank 0; each replica gets a contiguous block of its worker count."""
+    members = []
+    offset = 1
+    for rid in sorted(replicas):
+        members.append(Member(rid, offset, replicas[rid]))
+        offset += replicas[rid]
+    return tuple(members), offset
+
+
+@dataclass
+class RoundOutcome:
+    round_id: str
+    committed: bool
+    version: int
+    error: str = ""
+    failed_replicas: list[str] = field(default_factory=list)

@@ -1,0 +1,102 @@
+"""The trainer's side of weight sync: ``WeightPublisher``.
+
+    publisher = WeightPublisher.connect(app_name="rollout")
+    version = publisher.publish(model.named_parameters())   # returns the committed version
+
+The publisher joins each round's group as rank 0 (the sender); the coordinator tells
+it the world size and every replica's rank offset. Names, shapes and dtypes are
+checked by the coordinator before any replica changes weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Iterable, Mapping, Optional, Union
+
+import torch
+
+from rollout.errors import unwrap_remote
+from rollout.sync.backends import make_sender
+from rollout.sync.coordinator import COORDINATOR_NAME, SyncError
+from rollout.sync.wire import ParamSpec
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _own_address() -> str:
+    explicit = os.environ.get("ROLLOUT_PUBLISHER_ADDRESS")
+    if explicit:
+        return explicit
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
+
+
+class WeightPublisher:
+    def __init__(self, coordinator, backend: str, token: Optional[str]):
+        self._coordinator = coordinator
+        self.backend = backend
+        self._token = token
+        self.last_sync_s: Optional[float] = None
+
+    @classmethod
+    def connect(cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None) -> "WeightPublisher":
+        """Attach to the platform's coordinator from a process in the Ray cluster.
+
+        ``token`` defaults to ``ROLLOUT_SYNC_TOKEN`` from the environment.
+        """
+        from ray import serve
+
+        handle = serve.get_deployment_handle(COORDINATOR_NAME, app_name=app_name)
+        return cls(handle, backend, token if token is not None else os.environ.get("ROLLOUT_SYNC_TOKEN"))
+
+    def _call(self, method: str, *args):
+        try:
+            return getattr(self._coordinator, method).remote(*args).result()
+        except Exception as e:
+            raise unwrap_remote(e) from None
+
+    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None) -> int:
+        """Send weights to every live replica; return the committed version.
+
+        Raises ``InvalidRequestError`` (unknown names, wrong shapes or dtypes, version
+        not increasing) or ``AuthenticationError`` before any replica changes, and
+        ``SyncError`` when the round fails; replicas then keep the last committed version.
+        """
+        t0 = time.perf_counter()
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        tensors = {name: t.detach().to("cpu") for name, t in items}
+        specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
+        address, port = _own_address(), _free_port()
+        plan = self._call("begin_round", self._token, specs, version, address, port)
+        if self.backend not in ("auto", plan.backend):
+            self._call("finish", plan.round_id, f"publisher backend {self.backend!r} != platform backend {plan.backend!r}")
+            raise SyncError(f"backend: the platform syncs over {plan.backend!r}, not {self.backend!r}")
+        error = None
+        try:
+            sender = make_sender(plan.backend)
+            sender.send(plan, [tensors[p.name] for p in plan.params])
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            logger.error("sending %s failed: %s", plan.round_id, error)
+        outcome = self._call("finish", plan.round_id, error)
+        if not outcome.committed:
+            raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
+        self.last_sync_s = time.perf_counter() - t0
+        return outcome.version
+
+    def status(self) -> dict:
+        return self._call("status")

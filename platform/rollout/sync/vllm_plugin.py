@@ -1,0 +1,17 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins``): registers our backends.
+
+vLLM loads general plugins in every engine and worker process, so the ``gloo`` backend
+is known wherever ``WeightTransferConfig(backend="gloo")`` is resolved.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine("gloo", "rollout.sync.backends.gloo_worker", "GlooWeightTransferEngine")
+    except ValueError:
+        # Plugins may load more than once per process: already registered is fine.
+        pass

@@ -1,0 +1,72 @@
+"""The packed, bucketed wire format shared by every CPU-side sender and receiver.
+
+Parameters travel in spec order, packed back to back into byte buckets of at most
+``bucket_bytes`` (a parameter larger than a bucket travels alone). Both sides derive
+the same plan from the same spec, so nothing but raw bytes crosses the wire, and a
+round costs one collective per bucket instead of one RPC per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> "ParamSpec":
+        return cls(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+def plan_buckets(specs: Sequence[ParamSpec], bucket_bytes: int) -> list[list[int]]:
+    """Indexes of ``specs`` per bucket, in order."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, s in enumerate(specs):
+        if current and size + s.nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += s.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def pack(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack(buffer: torch.Tensor, specs: Sequence[ParamSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+    offset = 0
+    for s in specs:
+        n = s.nbytes
+        yield s.name, buffer[offset : offset + n].view(s.torch_dtype).view(s.shape)
+        offset += n
+
+
+def bucket_bytes_of(specs: Sequence[ParamSpec]) -> int:
+    return sum(s.nbytes for s in specs)
