@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "build" / "model"
 API_KEY = "test-key-0123456789"
+SYNC_TOKEN = "sync-token-0123456789"
 MAX_MODEL_LEN = 512
 MAX_N = 8
 KV_BYTES = 256 << 20
@@ -34,8 +35,12 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
+    import os
+
     import ray
 
+    # Serve replicas inherit the environment of the cluster started here.
+    os.environ["ROLLOUT_SYNC_TOKEN"] = SYNC_TOKEN
     ray.init(num_cpus=8, namespace="rollout-tests", log_to_driver=False)
     yield
     ray.shutdown()
@@ -65,6 +70,8 @@ def platform_config(model_dir, tmp_path_factory):
         model={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES},
         http={"port": free_port(), "api_key_file": str(key_file), "host": "127.0.0.1"},
         limits={"max_n": MAX_N},
+        # Short deadline so fault tests end quickly.
+        sync={"timeout_s": 10, "bucket_bytes": 1 << 16},
     )
 
 

@@ -102,6 +102,7 @@ class RolloutResult(_Model):
     request_id: str
     prompt_token_ids: List[int]
     samples: List[Sample]
+    replica_id: Optional[str] = Field(default=None, description="The engine replica that served the request (for debugging routing).")
 
 
 class RolloutChunk(_Model):

@@ -92,7 +92,7 @@ def build_application(cfg: PlatformConfig) -> Application:
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(engine, config)
+    return ingress.bind(engine, config, coordinator)
 
 
 def build(args: Mapping[str, Any] | None = None) -> Application:

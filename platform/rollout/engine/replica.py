@@ -145,6 +145,7 @@ class RolloutEngine:
             request_id=req.request_id,
             prompt_token_ids=prompt_ids,
             samples=[to_sample(c) for c in samples],
+            replica_id=self.replica_id,
         )
 
     async def generate(self, requests: Sequence[Any], offset: int = 0) -> list[RolloutResult]:

@@ -24,8 +24,11 @@ from rollout.errors import (
     RolloutError,
     from_validation_error,
     loc_to_field,
+    unwrap_remote,
 )
 from rollout.http import openai_compat as oai
+from rollout.sync.coordinator import SyncError
+from rollout.sync.remote import OUTCOME, PLAN, SYNC_TOKEN_HEADER, BeginRoundBody, FinishBody
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,11 @@ async def _on_invalid(request: Request, exc: InvalidRequestError) -> JSONRespons
 @app.exception_handler(AuthenticationError)
 async def _on_auth(request: Request, exc: AuthenticationError) -> JSONResponse:
     return _error(401, str(exc), kind="authentication_error")
+
+
+@app.exception_handler(SyncError)
+async def _on_sync_error(request: Request, exc: SyncError) -> JSONResponse:
+    return _error(409, str(exc), kind="sync_error")
 
 
 @app.exception_handler(EngineUnavailableError)
@@ -114,9 +122,10 @@ async def _first_then_rest(agen: AsyncIterator[RolloutChunk]) -> tuple[RolloutCh
 
 @serve.ingress(app)
 class HttpIngress:
-    def __init__(self, engine_handle, config: dict[str, Any]):
+    def __init__(self, engine_handle, config: dict[str, Any], coordinator_handle=None):
         self.config = PlatformConfig.model_validate(config)
         self.engine = HandleTransport(engine_handle, self.config.deployment.client_batch_size)
+        self.coordinator = coordinator_handle
         self.model_name = self.config.model.name
         key = self.config.http.resolve_api_key()
         if key is None:
@@ -172,3 +181,31 @@ class HttpIngress:
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(self, req: oai.ChatCompletionRequest):
         return await self._openai(req, chat=True)
+
+    # ---- weight sync control plane (tensors travel over the round's transfer group) ----
+
+    def _coordinator(self):
+        if self.coordinator is None:
+            raise SyncError("weight sync is disabled on this platform (sync.enabled: false)")
+        return self.coordinator
+
+    async def _call_coordinator(self, method: str, *args):
+        try:
+            return await getattr(self._coordinator(), method).remote(*args)
+        except Exception as e:
+            raise unwrap_remote(e) from None
+
+    @app.post("/v1/sync/rounds", dependencies=[Depends(require_key)])
+    async def sync_begin(self, body: BeginRoundBody, request: Request) -> dict:
+        plan = await self._call_coordinator(
+            "begin_round", request.headers.get(SYNC_TOKEN_HEADER), body.params, body.version, body.master_address, body.master_port
+        )
+        return PLAN.dump_python(plan, mode="json")
+
+    @app.post("/v1/sync/rounds/{round_id}/finish", dependencies=[Depends(require_key)])
+    async def sync_finish(self, round_id: str, body: FinishBody) -> dict:
+        return OUTCOME.dump_python(await self._call_coordinator("finish", round_id, body.error), mode="json")
+
+    @app.get("/v1/sync/status", dependencies=[Depends(require_key)])
+    async def sync_status(self) -> dict:
+        return await self._call_coordinator("status")

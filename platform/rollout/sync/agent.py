@@ -46,10 +46,8 @@ class SyncAgent:
         self.version = version_of(await self.engine.get_weight_version())
         committed = await self._register()
         if committed > self.version:
-            # No copy of the committed weights exists to catch up from yet: refuse to
-            # serve stale weights rather than silently mixing versions across replicas.
-            self.broken = f"committed version is {committed} but this replica holds {self.version} and cannot catch up"
-            logger.error("replica %s: %s", self.replica_id, self.broken)
+            logger.info("replica %s: catching up from version %d to %d", self.replica_id, self.version, committed)
+            await self._restore()
         self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="rollout-sync-agent")
 
     async def _register(self) -> int:
@@ -67,9 +65,25 @@ class SyncAgent:
                 continue
             if plan is None:
                 continue
-            await self._apply(plan)
+            if not await self._apply(plan):
+                await self._restore()
 
-    async def _apply(self, plan: RoundPlan) -> None:
+    async def _restore(self) -> None:
+        """Load the committed weights from the coordinator's copy; on failure stay broken
+        (paused, failing health checks) so Serve replaces this replica."""
+        try:
+            plan = await self.coordinator.restore.remote(self.replica_id)
+            if await self._apply(plan) and self.version == plan.version:
+                self.broken = None
+                return
+            reason = f"restore round {plan.round_id} failed"
+        except Exception as e:
+            reason = f"restore failed: {type(e).__name__}: {e}"
+        self.broken = f"weights are not the committed version ({reason})"
+        logger.error("replica %s: %s", self.replica_id, self.broken)
+
+    async def _apply(self, plan: RoundPlan) -> bool:
+        """Run one round; return False when the weights are left inconsistent."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
         t = plan.timeout_s
@@ -86,18 +100,31 @@ class SyncAgent:
                 error = f"{type(e).__name__}: {e}"
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
             outcome = await self.coordinator.report.remote(plan.round_id, self.replica_id, error)
+            consistent = True
             if outcome.committed:
                 await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
                 self.version = plan.version
             elif started:
                 # vLLM loads tensors into the live model as they arrive: after a partial
-                # transfer this replica's weights are a mix, and it must not serve again.
+                # transfer the weights are a mix of two versions and must not serve.
+                consistent = False
                 self.broken = f"{plan.round_id} aborted mid-transfer ({outcome.error}); weights are inconsistent"
                 logger.error("replica %s: %s", self.replica_id, self.broken)
+                await self._close_update()
             await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version)
+            return consistent
         finally:
+            # Generation stays paused while the weights are inconsistent.
             if self.broken is None:
                 await self.engine.resume_generation()
+
+    async def _close_update(self) -> None:
+        # End vLLM's update session so the restore round can start a fresh one; the
+        # restore overwrites every tensor, so what this finalizes is never served.
+        try:
+            await self.engine.finish_weight_update()
+        except Exception as e:
+            logger.warning("replica %s: closing the aborted update: %s", self.replica_id, e)
 
     def stop(self) -> None:
         if self._task is not None:

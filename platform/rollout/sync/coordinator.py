@@ -20,8 +20,11 @@ from typing import Any, Optional
 
 from rollout.config import PlatformConfig
 from rollout.errors import AuthenticationError, InvalidRequestError, RolloutError
-from rollout.sync.plan import RoundOutcome, RoundPlan, assign_ranks
+from rollout.sync.keeper import WeightKeeper
+from rollout.sync.plan import Member, RoundOutcome, RoundPlan, assign_ranks
 from rollout.sync.wire import ParamSpec
+
+KEEPER = "keeper"
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,10 @@ class WeightSyncCoordinator:
         if self._token is None:
             logger.warning("%s is not set: any client that reaches the coordinator can publish weights", self.config.sync.token_env)
         self.poll_s = 5.0
+        # The keeper rides the gloo wire; with vLLM's GPU backends it would need a GPU.
+        self.keeper = WeightKeeper(self.config.model.path) if backend == "gloo" else None
+        # Held from opening a round until its decision: one round at a time.
+        self._round_lock = asyncio.Lock()
 
     # ---- replicas ------------------------------------------------------------------
 
@@ -153,11 +160,26 @@ class WeightSyncCoordinator:
     ) -> RoundPlan:
         """Validate a publish and open a round; no replica changes before this succeeds."""
         self._authorize(token)
-        if self.round is not None and not self.round.decided.is_set():
-            raise SyncError(f"round {self.round.plan.round_id} is still in progress; publish one version at a time")
         if self.params is None:
             raise SyncError("no engine replica has registered yet")
         check_spec(params, self.params)
+        if version is not None and version <= self.committed_version:
+            raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.committed_version}")
+        await self._acquire_round()
+        try:
+            return self._open_publish_round(version, master_address, master_port)
+        except BaseException:
+            self._round_lock.release()
+            raise
+
+    async def _acquire_round(self) -> None:
+        try:
+            await asyncio.wait_for(self._round_lock.acquire(), timeout=self.config.sync.timeout_s)
+        except asyncio.TimeoutError:
+            busy = self.round.plan.round_id if self.round else "another round"
+            raise SyncError(f"{busy} is still in progress after {self.config.sync.timeout_s}s; rounds run one at a time") from None
+
+    def _open_publish_round(self, version: Optional[int], master_address: str, master_port: int) -> RoundPlan:
         if version is None:
             version = self.committed_version + 1
         if version <= self.committed_version:
@@ -166,6 +188,9 @@ class WeightSyncCoordinator:
         if not live:
             raise SyncError("no live engine replica to publish to")
         members, world_size = assign_ranks(live)
+        keeper_rank = None
+        if self.keeper is not None:
+            keeper_rank, world_size = world_size, world_size + 1
         sync = self.config.sync
         plan = RoundPlan(
             round_id=f"round-{version}-{uuid.uuid4().hex[:8]}",
@@ -179,13 +204,76 @@ class WeightSyncCoordinator:
             bucket_bytes=sync.bucket_bytes,
             pause_mode=sync.pause_mode,
             timeout_s=sync.timeout_s,
+            keeper_rank=keeper_rank,
         )
-        self.round = _Round(plan=plan, deadline=time.monotonic() + 3 * sync.timeout_s)
-        for m in members:
-            self.replicas[m.replica_id].wake.set()
-        asyncio.get_running_loop().create_task(self._enforce_deadline(self.round))
+        self._start_round(plan)
+        if keeper_rank is not None:
+            asyncio.get_running_loop().create_task(self._keep(self.round, keeper_rank))
         logger.info("opened %s: version %d to %d replicas (world size %d)", plan.round_id, version, len(members), world_size)
         return plan
+
+    def _start_round(self, plan: RoundPlan) -> None:
+        self.round = _Round(plan=plan, deadline=time.monotonic() + 3 * plan.timeout_s)
+        for m in plan.members:
+            if m.replica_id in self.replicas:
+                self.replicas[m.replica_id].wake.set()
+        asyncio.get_running_loop().create_task(self._enforce_deadline(self.round))
+
+    async def _keep(self, rnd: _Round, rank: int) -> None:
+        error = None
+        try:
+            await asyncio.to_thread(self.keeper.receive, rnd.plan, rank)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        rnd.reports[KEEPER] = error
+        self._maybe_decide(rnd)
+
+    async def restore(self, replica_id: str) -> RoundPlan:
+        """Open a round in which the keeper sends the committed weights to one replica.
+
+        Used by a replica that starts behind the committed version (catch-up, the
+        trainer sends nothing) and by one whose transfer broke off mid-way (rollback).
+        """
+        if self.keeper is None:
+            raise SyncError(f"backend {self.backend!r} keeps no copy of the committed weights; cannot restore {replica_id}")
+        r = self.replicas.get(replica_id)
+        if r is None:
+            raise SyncError(f"replica {replica_id} is not registered")
+        await self._acquire_round()
+        try:
+            from rollout.sync.publisher import _free_port, _own_address
+
+            sync = self.config.sync
+            plan = RoundPlan(
+                round_id=f"restore-{self.committed_version}-{uuid.uuid4().hex[:8]}",
+                version=self.committed_version,
+                backend=self.backend,
+                master_address=_own_address(),
+                master_port=_free_port(),
+                world_size=1 + r.ranks,
+                members=(Member(replica_id, 1, r.ranks),),
+                params=tuple(self.params),
+                bucket_bytes=sync.bucket_bytes,
+                pause_mode="keep",
+                timeout_s=sync.timeout_s,
+                restore=True,
+            )
+            self._start_round(plan)
+        except BaseException:
+            self._round_lock.release()
+            raise
+        rnd = self.round
+        asyncio.get_running_loop().create_task(self._send_restore(rnd))
+        logger.info("opened %s: restoring version %d on %s", plan.round_id, plan.version, replica_id)
+        return plan
+
+    async def _send_restore(self, rnd: _Round) -> None:
+        error = None
+        try:
+            await asyncio.to_thread(self.keeper.send, rnd.plan)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        await self.finish(rnd.plan.round_id, error)
 
     async def _enforce_deadline(self, rnd: _Round) -> None:
         try:
@@ -205,16 +293,26 @@ class WeightSyncCoordinator:
         committed = error is None
         if committed:
             self.committed_version = rnd.plan.version
+        if self.keeper is not None and not rnd.plan.restore:
+            if committed:
+                self.keeper.commit()
+            else:
+                self.keeper.discard()
         rnd.outcome = RoundOutcome(rnd.plan.round_id, committed, self.committed_version, error or "", failed)
         self.last_outcome = rnd.outcome
         rnd.decided.set()
+        self._round_lock.release()
         log = logger.info if committed else logger.error
         log("%s %s (committed version %d)%s", rnd.plan.round_id, "committed" if committed else "aborted", self.committed_version, f": {error}" if error else "")
 
     def _maybe_decide(self, rnd: _Round) -> None:
         if rnd.trainer_error or any(rnd.reports.values()):
             self._decide(rnd)
-        elif rnd.trainer_done and all(m.replica_id in rnd.reports for m in rnd.plan.members):
+        elif (
+            rnd.trainer_done
+            and all(m.replica_id in rnd.reports for m in rnd.plan.members)
+            and (rnd.plan.keeper_rank is None or KEEPER in rnd.reports)
+        ):
             self._decide(rnd)
 
     def _round(self, round_id: str) -> _Round:

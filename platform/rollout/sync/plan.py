@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Optional
 
 from rollout.sync.wire import ParamSpec
 
@@ -32,6 +32,8 @@ class RoundPlan:
     bucket_bytes: int
     pause_mode: PauseMode
     timeout_s: float
+    keeper_rank: Optional[int] = None  # the coordinator's copy receives as this rank
+    restore: bool = False  # sent by the keeper to bring members to the committed version
 
     def member(self, replica_id: str) -> Member:
         for m in self.members:

@@ -18,9 +18,9 @@ from typing import Iterable, Mapping, Optional, Union
 
 import torch
 
-from rollout.errors import unwrap_remote
 from rollout.sync.backends import make_sender
 from rollout.sync.coordinator import COORDINATOR_NAME, SyncError
+from rollout.sync.remote import CoordinatorClient, HandleCoordinator, HttpCoordinator
 from rollout.sync.wire import ParamSpec
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _token(explicit: Optional[str]) -> Optional[str]:
+    return explicit if explicit is not None else os.environ.get("ROLLOUT_SYNC_TOKEN")
 
 
 def _own_address() -> str:
@@ -46,7 +50,7 @@ def _own_address() -> str:
 
 
 class WeightPublisher:
-    def __init__(self, coordinator, backend: str, token: Optional[str]):
+    def __init__(self, coordinator: CoordinatorClient, backend: str, token: Optional[str]):
         self._coordinator = coordinator
         self.backend = backend
         self._token = token
@@ -61,13 +65,19 @@ class WeightPublisher:
         from ray import serve
 
         handle = serve.get_deployment_handle(COORDINATOR_NAME, app_name=app_name)
-        return cls(handle, backend, token if token is not None else os.environ.get("ROLLOUT_SYNC_TOKEN"))
+        return cls(HandleCoordinator(handle), backend, _token(token))
 
-    def _call(self, method: str, *args):
-        try:
-            return getattr(self._coordinator, method).remote(*args).result()
-        except Exception as e:
-            raise unwrap_remote(e) from None
+    @classmethod
+    def http(
+        cls, base_url: str, api_key: Optional[str] = None, backend: str = "auto", token: Optional[str] = None, timeout_s: float = 600.0
+    ) -> "WeightPublisher":
+        """Attach through the HTTP ingress, from a process outside the Ray cluster.
+
+        The replicas connect back to this process for the transfer itself: set
+        ``ROLLOUT_PUBLISHER_ADDRESS`` when its hostname does not resolve to an address
+        they can reach.
+        """
+        return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token))
 
     def publish(self, named_tensors: NamedTensors, version: Optional[int] = None) -> int:
         """Send weights to every live replica; return the committed version.
@@ -81,9 +91,9 @@ class WeightPublisher:
         tensors = {name: t.detach().to("cpu") for name, t in items}
         specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
         address, port = _own_address(), _free_port()
-        plan = self._call("begin_round", self._token, specs, version, address, port)
+        plan = self._coordinator.begin_round(self._token, specs, version, address, port)
         if self.backend not in ("auto", plan.backend):
-            self._call("finish", plan.round_id, f"publisher backend {self.backend!r} != platform backend {plan.backend!r}")
+            self._coordinator.finish(plan.round_id, f"publisher backend {self.backend!r} != platform backend {plan.backend!r}")
             raise SyncError(f"backend: the platform syncs over {plan.backend!r}, not {self.backend!r}")
         error = None
         try:
@@ -92,11 +102,12 @@ class WeightPublisher:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             logger.error("sending %s failed: %s", plan.round_id, error)
-        outcome = self._call("finish", plan.round_id, error)
+        outcome = self._coordinator.finish(plan.round_id, error)
         if not outcome.committed:
             raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
         self.last_sync_s = time.perf_counter() - t0
         return outcome.version
 
     def status(self) -> dict:
-        return self._call("status")
+        """Committed version, replicas and their versions, the last round's outcome."""
+        return self._coordinator.status()

@@ -1,0 +1,77 @@
+"""The coordinator's copy of the last committed weights, and the rounds it serves from it.
+
+The keeper joins every publish round as one more receiving rank, so keeping the copy
+costs the trainer nothing (one more receiver of the same broadcast) and costs the
+coordinator's node one model's worth of host memory. From that copy it acts as the
+sender of *restore* rounds: a replica that starts after a commit catches up before it
+takes traffic, and a replica whose transfer broke off mid-way reloads the committed
+weights instead of serving a mix. Before the first commit the copy is the checkpoint
+on disk, read lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from rollout.sync.backends.gloo_group import GlooGroup
+from rollout.sync.backends.gloo_sender import GlooSender
+from rollout.sync.plan import RoundPlan
+from rollout.sync.wire import ParamSpec, bucket_bytes_of, plan_buckets, unpack
+
+logger = logging.getLogger(__name__)
+
+
+class WeightKeeper:
+    def __init__(self, model_path: str):
+        self.model_path = model_path
+        self._committed: Optional[dict[str, torch.Tensor]] = None
+        self._staging: Optional[dict[str, torch.Tensor]] = None
+
+    # ---- receiving (a rank of every publish round) ----------------------------------
+
+    def receive(self, plan: RoundPlan, rank: int) -> None:
+        """Blocking: join ``plan``'s group as ``rank`` and stage every tensor."""
+        group = GlooGroup(plan.master_address, plan.master_port, rank, plan.world_size, plan.timeout_s, plan.round_id)
+        staged: dict[str, torch.Tensor] = {}
+        try:
+            specs = list(plan.params)
+            for bucket in plan_buckets(specs, plan.bucket_bytes):
+                bucket_specs = [specs[i] for i in bucket]
+                buffer = torch.empty(bucket_bytes_of(bucket_specs), dtype=torch.uint8)
+                group.broadcast(buffer, root=0)
+                # One buffer per bucket stays alive; the views below keep it.
+                staged.update(unpack(buffer, bucket_specs))
+        finally:
+            group.close()
+        self._staging = staged
+
+    def commit(self) -> None:
+        if self._staging is not None:
+            self._committed, self._staging = self._staging, None
+
+    def discard(self) -> None:
+        self._staging = None
+
+    # ---- sending (restore rounds) ------------------------------------------------------
+
+    def committed(self, params: Sequence[ParamSpec]) -> list[torch.Tensor]:
+        if self._committed is None:
+            self._committed = self._load_checkpoint()
+        return [self._committed[p.name] for p in params]
+
+    def send(self, plan: RoundPlan) -> None:
+        """Blocking: act as rank 0 of a restore round."""
+        GlooSender().send(plan, self.committed(plan.params))
+
+    def _load_checkpoint(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(self.model_path).glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        logger.info("keeper loaded the initial weights from %s (%d tensors)", self.model_path, len(tensors))
+        return tensors

@@ -1,0 +1,91 @@
+"""How a publisher reaches the coordinator: a Serve handle inside the Ray cluster, or
+the HTTP ingress from anywhere. Only the control plane travels this way; tensors go
+over the transfer group the round's plan describes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from rollout.errors import unwrap_remote
+from rollout.sync.plan import RoundOutcome, RoundPlan
+from rollout.sync.wire import ParamSpec
+
+PLAN = TypeAdapter(RoundPlan)
+OUTCOME = TypeAdapter(RoundOutcome)
+SPECS = TypeAdapter(list[ParamSpec])
+SYNC_TOKEN_HEADER = "X-Rollout-Sync-Token"
+
+
+class BeginRoundBody(BaseModel):
+    """Body of ``POST /v1/sync/rounds``."""
+
+    model_config = ConfigDict(extra="forbid")
+    params: list[ParamSpec] = Field(min_length=1)
+    version: Optional[int] = Field(default=None, ge=1)
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+
+
+class FinishBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    error: Optional[str] = None
+
+
+class CoordinatorClient(Protocol):
+    def begin_round(self, token: Optional[str], params: list[ParamSpec], version: Optional[int], address: str, port: int) -> RoundPlan: ...
+
+    def finish(self, round_id: str, error: Optional[str]) -> RoundOutcome: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class HandleCoordinator:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def _call(self, method: str, *args):
+        try:
+            return getattr(self.handle, method).remote(*args).result()
+        except Exception as e:
+            raise unwrap_remote(e) from None
+
+    def begin_round(self, token, params, version, address, port) -> RoundPlan:
+        return self._call("begin_round", token, params, version, address, port)
+
+    def finish(self, round_id, error) -> RoundOutcome:
+        return self._call("finish", round_id, error)
+
+    def status(self) -> dict[str, Any]:
+        return self._call("status")
+
+
+class HttpCoordinator:
+    def __init__(self, base_url: str, api_key: Optional[str], timeout_s: float):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    def _post(self, path: str, body: dict, token: Optional[str] = None) -> Any:
+        from rollout.client.http import raise_for_error
+
+        headers = {SYNC_TOKEN_HEADER: token} if token else {}
+        resp = self.client.post(path, json=body, headers=headers)
+        raise_for_error(resp)
+        return resp.json()
+
+    def begin_round(self, token, params, version, address, port) -> RoundPlan:
+        body = {"params": SPECS.dump_python(params, mode="json"), "version": version, "master_address": address, "master_port": port}
+        return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
+
+    def finish(self, round_id, error) -> RoundOutcome:
+        return OUTCOME.validate_python(self._post(f"/v1/sync/rounds/{round_id}/finish", {"error": error}))
+
+    def status(self) -> dict[str, Any]:
+        from rollout.client.http import raise_for_error
+
+        resp = self.client.get("/v1/sync/status")
+        raise_for_error(resp)
+        return resp.json()

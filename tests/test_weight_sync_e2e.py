@@ -1,0 +1,244 @@
+"""Weight publishing end to end: real Ray, Serve, vLLM (CPU) and the gloo backend.
+
+Runs after the other e2e modules (it changes the shared app's weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import ray
+import torch
+
+from rollout.api import RolloutRequest, SamplingConfig
+from rollout.errors import AuthenticationError, InvalidRequestError
+from rollout.sync import WeightPublisher
+from tests.conftest import KV_BYTES, MAX_MODEL_LEN, SYNC_TOKEN
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 5, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+def perturbed_policy(model_dir, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def save_policy(model, model_dir, out_dir):
+    model.save_pretrained(str(out_dir))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (model_dir / f).exists():
+            shutil.copy(model_dir / f, out_dir / f)
+    return out_dir
+
+
+def greedy(ids, n_tokens):
+    return RolloutRequest(prompt_token_ids=ids, sampling=SamplingConfig(max_tokens=n_tokens, temperature=0.0, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def publisher(platform):
+    return WeightPublisher.connect(app_name=platform.app_name, token=SYNC_TOKEN)
+
+
+@pytest.fixture(scope="module")
+def policy_v1(model_dir, tmp_path_factory):
+    model = perturbed_policy(model_dir, seed=1)
+    return model, save_policy(model, model_dir, tmp_path_factory.mktemp("policy-v1"))
+
+
+@pytest.fixture(scope="module")
+def reference_v1(ray_cluster, policy_v1):
+    from tests.reference import ReferenceLLM
+
+    return ReferenceLLM.remote(str(policy_v1[1]), MAX_MODEL_LEN, KV_BYTES)
+
+
+async def test_bad_publishes_are_rejected_before_any_replica_changes(publisher, policy_v1, handle_client, platform):
+    model, _ = policy_v1
+    (before,) = await handle_client.generate([greedy(PROMPTS[0], 16)])
+    params = dict(model.named_parameters())
+    name = next(iter(params))
+    cases = [
+        ({**params, "model.not_a_layer.weight": torch.zeros(2)}, InvalidRequestError, "unknown parameter names"),
+        ({k: v for k, v in params.items() if k != name}, InvalidRequestError, "missing"),
+        ({**params, name: params[name][:-1]}, InvalidRequestError, "shape"),
+        ({**params, name: params[name].to(torch.bfloat16)}, InvalidRequestError, "dtype"),
+    ]
+    for tensors, exc, words in cases:
+        with pytest.raises(exc, match=words):
+            await asyncio.to_thread(publisher.publish, tensors)
+    with pytest.raises(InvalidRequestError, match="version"):
+        await asyncio.to_thread(publisher.publish, params, 0)
+    for token in (None, "wrong"):
+        bad = WeightPublisher.connect(app_name=platform.app_name, token=token or "")
+        with pytest.raises(AuthenticationError):
+            await asyncio.to_thread(bad.publish, params)
+    (after,) = await handle_client.generate([greedy(PROMPTS[0], 16)])
+    assert after.samples[0].token_ids == before.samples[0].token_ids
+    assert after.samples[0].weight_versions[0].version == "default"
+
+
+async def test_after_publish_greedy_output_equals_a_fresh_engine_with_the_published_weights(
+    publisher, policy_v1, reference_v1, handle_client
+):
+    model, _ = policy_v1
+    before = await handle_client.generate([greedy(p, 24) for p in PROMPTS])
+    version = await asyncio.to_thread(publisher.publish, model.named_parameters())
+    assert version == 1
+    after = await handle_client.generate([greedy(p, 24) for p in PROMPTS])
+    expected = ray.get(reference_v1.greedy.remote(PROMPTS, 24, ignore_eos=True))
+    assert [r.samples[0].token_ids for r in after] == expected
+    assert [r.samples[0].token_ids for r in after] != [r.samples[0].token_ids for r in before]
+    for r in after:
+        assert [(s.version, s.start, s.end) for s in r.samples[0].weight_versions] == [("1", 0, 24)]
+    status = await asyncio.to_thread(publisher.status)
+    assert status["committed_version"] == 1
+    assert all(r["version"] == 1 for r in status["replicas"].values())
+
+
+async def test_in_flight_request_keeps_going_on_the_new_weights_and_its_spans_show_the_switch(
+    publisher, model_dir, tmp_path_factory, handle_client, ray_cluster
+):
+    from tests.reference import ReferenceLLM
+
+    model = perturbed_policy(model_dir, seed=2)
+    reference_v2 = ReferenceLLM.remote(str(save_policy(model, model_dir, tmp_path_factory.mktemp("policy-v2"))), MAX_MODEL_LEN, KV_BYTES)
+    prompt, total = [9, 8, 7, 6], 400
+    chunks = []
+
+    async def consume():
+        async for c in handle_client.stream(greedy(prompt, total)):
+            chunks.append(c)
+
+    task = asyncio.create_task(consume())
+    while sum(len(c.token_ids) for c in chunks) < 20:
+        await asyncio.sleep(0.05)
+    version = await asyncio.to_thread(publisher.publish, model.named_parameters())
+    await task
+    tokens = [t for c in chunks for t in c.token_ids]
+    spans = chunks[-1].weight_versions
+    assert len(tokens) == total
+    assert [s.version for s in spans] == ["1", str(version)]
+    switch = spans[0].end
+    assert spans[0].start == 0 and spans[1].start == switch and spans[1].end == total
+    assert 20 <= switch < total
+    (continuation,) = ray.get(reference_v2.greedy.remote([prompt + tokens[:switch]], total - switch, ignore_eos=True))
+    assert tokens[switch:] == continuation
+    ray.kill(reference_v2)
+
+
+async def test_a_trainer_that_never_sends_ends_the_round_with_an_error_and_the_next_publish_succeeds(
+    publisher, platform, handle_client, policy_v1
+):
+    """The trainer opens a round and dies before sending: the replicas' receive times out."""
+    from rollout.sync.publisher import _free_port, _own_address
+    from rollout.sync.wire import ParamSpec
+
+    model, _ = policy_v1
+    status = await asyncio.to_thread(publisher.status)
+    committed = status["committed_version"]
+    (before,) = await handle_client.generate([greedy(PROMPTS[1], 16)])
+    coord = publisher._coordinator
+    specs = [ParamSpec.of(n, p) for n, p in model.named_parameters()]
+    plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, specs, None, _own_address(), _free_port())
+    outcome = await asyncio.wait_for(asyncio.to_thread(coord.finish, plan.round_id, "trainer died"), timeout=3 * platform.sync.timeout_s + 30)
+    assert not outcome.committed and "trainer" in outcome.error
+    assert (await asyncio.to_thread(publisher.status))["committed_version"] == committed
+    (after,) = await handle_client.generate([greedy(PROMPTS[1], 16)])
+    assert after.samples[0].token_ids == before.samples[0].token_ids
+    assert after.samples[0].weight_versions[0].version == str(committed)
+    assert await asyncio.to_thread(publisher.publish, model.named_parameters()) == committed + 1
+
+
+TRAINER_THAT_DIES = r"""
+import os, sys, torch, ray
+from ray import serve
+from transformers import AutoModelForCausalLM
+from rollout.sync.coordinator import COORDINATOR_NAME
+from rollout.sync.backends.gloo_group import GlooGroup
+from rollout.sync.publisher import _free_port, _own_address
+from rollout.sync.wire import ParamSpec, pack, plan_buckets
+
+ray.init(address="auto", namespace="rollout-tests")
+coord = serve.get_deployment_handle(COORDINATOR_NAME, app_name=sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+tensors = dict(model.named_parameters())
+specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
+plan = coord.begin_round.remote(os.environ["ROLLOUT_SYNC_TOKEN"], specs, None, _own_address(), _free_port()).result()
+group = GlooGroup(plan.master_address, plan.master_port, 0, plan.world_size, plan.timeout_s, plan.round_id)
+buckets = plan_buckets(plan.params, 1 << 16)
+assert plan.bucket_bytes == 1 << 16 and len(buckets) > 4, len(buckets)
+for b in buckets[: len(buckets) // 2]:
+    group.broadcast(pack(tensors[plan.params[i].name] for i in b))
+print("SENT HALF", flush=True)
+os._exit(1)  # the trainer dies mid-transfer
+"""
+
+
+async def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_last_committed_version(
+    publisher, platform, handle_client, model_dir, tmp_path, policy_v1
+):
+    import subprocess
+    import sys
+
+    status = await asyncio.to_thread(publisher.status)
+    committed = status["committed_version"]
+    before = await handle_client.generate([greedy(p, 16) for p in PROMPTS])
+    model = perturbed_policy(model_dir, seed=3)
+    policy_dir = save_policy(model, model_dir, tmp_path / "policy-v3")
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER_THAT_DIES)
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, str(script), str(policy_dir), platform.app_name], capture_output=True, text=True, timeout=300
+    )
+    assert "SENT HALF" in proc.stdout, proc.stderr[-2000:]
+    outcome = await _wait_for_outcome(publisher, committed)
+    assert not outcome["committed"] and outcome["error"]
+    after = await asyncio.wait_for(handle_client.generate([greedy(p, 16) for p in PROMPTS]), timeout=120)
+    assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in before]
+    assert all(r.samples[0].weight_versions[0].version == str(committed) for r in after)
+    assert await asyncio.to_thread(publisher.publish, policy_v1[0].named_parameters()) == committed + 1
+
+
+async def _wait_for_outcome(publisher, committed):
+    for _ in range(300):
+        status = await asyncio.to_thread(publisher.status)
+        last = status["last_outcome"]
+        if status["round_in_progress"] is None and last and last["round_id"].startswith(f"round-{committed + 1}-"):
+            return last
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"no decision: {status}")
+
+
+async def test_a_replica_added_later_serves_the_committed_version_before_its_first_request(
+    publisher, platform, handle_client, policy_v1, reference_v1
+):
+    from rollout.app import deploy
+
+    committed = (await asyncio.to_thread(publisher.status))["committed_version"]
+    assert committed >= 1
+    scaled = platform.model_copy(update={"deployment": platform.deployment.model_copy(update={"replicas": 2})})
+    await asyncio.to_thread(deploy, scaled)
+    status = await asyncio.to_thread(publisher.status)
+    assert len(status["replicas"]) == 2
+    assert all(r["version"] == committed for r in status["replicas"].values()), status
+    # Separate calls so the router spreads them; every replica must answer like v1.
+    expected = ray.get(reference_v1.greedy.remote(PROMPTS, 16, ignore_eos=True))
+    seen = set()
+    for _ in range(6):
+        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16)]) for p in PROMPTS))
+        for (r,), want in zip(results, expected):
+            assert r.samples[0].token_ids == want
+            assert r.samples[0].weight_versions[0].version == str(committed)
+            seen.add(r.replica_id)
+    assert len(seen) == 2, f"requests reached only {seen}"
