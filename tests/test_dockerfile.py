@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout import kube
+from tests import manifest_checks as kube  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed 
 pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed (test extra)")
 pytest.importorskip("jsonschema", reason="jsonschema not installed (test extra)")
 
-from rollout import kube  # noqa: E402
+from tests import manifest_checks as kube  # noqa: E402
 from rollout.app import config_from_args  # noqa: E402
 from rollout.helm_schema import SCHEMA_PATH, render_schema  # noqa: E402
 

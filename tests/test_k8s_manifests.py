@@ -15,7 +15,7 @@ import yaml
 pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed (test extra)")
 pytest.importorskip("jsonschema", reason="jsonschema not installed (test extra)")
 
-from rollout import kube  # noqa: E402
+from tests import manifest_checks as kube  # noqa: E402
 from rollout.app import config_from_args  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -242,3 +242,93 @@ async def test_a_replica_added_later_serves_the_committed_version_before_its_fir
             assert r.samples[0].weight_versions[0].version == str(committed)
             seen.add(r.replica_id)
     assert len(seen) == 2, f"requests reached only {seen}"
+
+
+async def test_a_rank_that_never_joins_ends_the_round_within_the_deadline_and_it_drops_out(
+    publisher, platform, handle_client, policy_v1
+):
+    from rollout.sync.coordinator import COORDINATOR_NAME
+    from rollout.sync.wire import ParamSpec
+
+    from ray import serve
+
+    model, _ = policy_v1
+    committed = (await asyncio.to_thread(publisher.status))["committed_version"]
+    before = await handle_client.generate([greedy(p, 16) for p in PROMPTS])
+    coordinator = serve.get_deployment_handle(COORDINATOR_NAME, app_name=platform.app_name)
+    specs = [ParamSpec.of(n, p) for n, p in model.named_parameters()]
+    # A member that registers and then never polls or joins a group.
+    await coordinator.register.remote("ghost-replica", 1, committed, specs)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(Exception, match="aborted"):
+        await asyncio.to_thread(publisher.publish, model.named_parameters())
+    assert loop.time() - t0 < 3 * platform.sync.timeout_s + 15
+    after = await asyncio.wait_for(handle_client.generate([greedy(p, 16) for p in PROMPTS]), timeout=120)
+    assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in before]
+    assert all(r.samples[0].weight_versions[0].version == str(committed) for r in after)
+    # The silent member drops out of membership; the next publish commits without it.
+    for _ in range(60):
+        if "ghost-replica" not in (await asyncio.to_thread(publisher.status))["replicas"]:
+            break
+        await asyncio.sleep(1)
+    assert await asyncio.to_thread(publisher.publish, model.named_parameters()) == committed + 1
+
+
+TRAINER_THAT_WAITS = TRAINER_THAT_DIES.replace(
+    "os._exit(1)  # the trainer dies mid-transfer",
+    "while not os.path.exists(sys.argv[3]):\n    import time; time.sleep(0.1)\n"
+    "for b in buckets[len(buckets) // 2 :]:\n    group.broadcast(pack(tensors[plan.params[i].name] for i in b))\nprint('SENT ALL', flush=True)",
+)
+
+
+async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_stays_on_one_version(
+    publisher, platform, handle_client, model_dir, tmp_path, reference_v1
+):
+    """Documented outcome: a member that dies mid-transfer fails the round; the survivors
+    restore the committed weights from the coordinator's copy and the dead replica's
+    replacement catches up from it before taking traffic."""
+    import subprocess
+    import sys
+
+    status = await asyncio.to_thread(publisher.status)
+    committed = status["committed_version"]
+    assert len(status["replicas"]) == 2, "runs after the scale-up test"
+    victim_id = sorted(status["replicas"])[0]
+    victim = next(
+        a for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and a["name"].endswith(f"#{victim_id}")
+    )
+    model = perturbed_policy(model_dir, seed=4)
+    policy_dir = save_policy(model, model_dir, tmp_path / "policy-v4")
+    script, go = tmp_path / "trainer.py", tmp_path / "go"
+    script.write_text(TRAINER_THAT_WAITS)
+    proc = subprocess.Popen([sys.executable, str(script), str(policy_dir), platform.app_name, str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        assert "SENT HALF" in line, proc.stderr.read()[-2000:]
+        ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
+        go.write_text("go")
+        await asyncio.to_thread(proc.wait, 300)
+    finally:
+        proc.kill()
+    outcome = await _wait_for_outcome(publisher, committed)
+    assert not outcome["committed"]
+    expected = ray.get(reference_v1.greedy.remote(PROMPTS, 16, ignore_eos=True))
+
+    async def two_replicas_on_committed():
+        s = await asyncio.to_thread(publisher.status)
+        return len(s["replicas"]) == 2 and victim_id not in s["replicas"] and all(r["version"] == committed for r in s["replicas"].values())
+
+    from tests.conftest import wait_until
+
+    await wait_until(two_replicas_on_committed, timeout_s=300, interval_s=2)
+    seen = set()
+    for _ in range(6):
+        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16)]) for p in PROMPTS))
+        for (r,), want in zip(results, expected):
+            assert [s.version for s in r.samples[0].weight_versions] == [str(committed)]
+            assert r.samples[0].token_ids == want
+            seen.add(r.replica_id)
+    assert len(seen) == 2
+    assert await asyncio.to_thread(publisher.publish, model.named_parameters()) == committed + 1

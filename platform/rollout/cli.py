@@ -52,13 +52,13 @@ def _build_model(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from rollout.demo import run_demo
 
-    return run_demo(Path(args.model), requests=args.requests, concurrency=args.concurrency)
+    return run_demo(Path(args.model), steps=args.steps, out_dir=Path(args.out))
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from rollout.bench import run_benchmarks
+    from rollout.bench import BENCHMARKS, run_benchmarks
 
-    return run_benchmarks(Path(args.model), Path(args.out))
+    return run_benchmarks(Path(args.model), Path(args.out), tuple(args.only) if args.only else BENCHMARKS)
 
 
 def _config_docs(args: argparse.Namespace) -> int:
@@ -97,15 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--force", action="store_true")
     b.set_defaults(func=_build_model)
 
-    d = sub.add_parser("demo", help="run the platform locally and sample rollouts through the client")
+    d = sub.add_parser("demo", help="a real RL loop on CPU: rollouts, policy-gradient steps, weight publishing")
     d.add_argument("--model", default="build/model")
-    d.add_argument("--requests", type=int, default=300)
-    d.add_argument("--concurrency", type=int, default=64)
+    d.add_argument("--steps", type=int, default=30)
+    d.add_argument("--out", default="build/demo", help="where the PNG report and history go")
     d.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="run the benchmarks; JSON results under --out")
     bench.add_argument("--model", default="build/model")
     bench.add_argument("--out", default="build/bench")
+    bench.add_argument("--only", nargs="*", help="run only these benchmarks (engine_throughput, weight_sync)")
     bench.set_defaults(func=_bench)
 
     c = sub.add_parser("config-docs", help="print the configuration reference, or rewrite it in a README")

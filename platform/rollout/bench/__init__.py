@@ -19,10 +19,21 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-def run_benchmarks(model_dir: Path, out_dir: Path) -> int:
-    from rollout.bench.engine_throughput import run as run_throughput
+BENCHMARKS = ("engine_throughput", "weight_sync")
 
+
+def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCHMARKS) -> int:
+    unknown = set(only) - set(BENCHMARKS)
+    if unknown:
+        raise ValueError(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")
     if not is_built(model_dir):
         build_model(model_dir)
-    write_result(out_dir, "engine_throughput", run_throughput(model_dir))
+    if "engine_throughput" in only:
+        from rollout.bench.engine_throughput import run as run_throughput
+
+        write_result(out_dir, "engine_throughput", run_throughput(model_dir))
+    if "weight_sync" in only:
+        from rollout.bench.weight_sync import run as run_sync
+
+        write_result(out_dir, "weight_sync", run_sync(model_dir.parent))
     return 0

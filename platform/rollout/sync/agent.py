@@ -15,6 +15,7 @@ import logging
 from typing import Any, Optional
 
 from rollout.sync.checkpoint import checkpoint_spec
+from rollout.sync.coordinator import REREGISTER
 from rollout.sync.plan import RoundPlan
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,23 @@ class SyncAgent:
                 continue
             if plan is None:
                 continue
+            if plan == REREGISTER:
+                await self._reregister()
+                continue
             if not await self._apply(plan):
                 await self._restore()
+
+    async def _reregister(self) -> None:
+        # The coordinator restarted (and learns the committed version back from us) or
+        # dropped us as silent; if it committed a newer version meanwhile, catch up.
+        try:
+            committed = await self._register()
+        except Exception as e:
+            logger.warning("replica %s: re-registering failed (%s); retrying", self.replica_id, e)
+            await asyncio.sleep(1.0)
+            return
+        if committed > self.version:
+            await self._restore()
 
     async def _restore(self) -> None:
         """Load the committed weights from the coordinator's copy; on failure stay broken
@@ -74,21 +90,27 @@ class SyncAgent:
         try:
             plan = await self.coordinator.restore.remote(self.replica_id)
             if await self._apply(plan) and self.version == plan.version:
-                self.broken = None
                 return
             reason = f"restore round {plan.round_id} failed"
         except Exception as e:
             reason = f"restore failed: {type(e).__name__}: {e}"
+        # Stay paused and fail health checks: Serve replaces this replica, and the
+        # replacement catches up from the coordinator's copy when it starts.
         self.broken = f"weights are not the committed version ({reason})"
         logger.error("replica %s: %s", self.replica_id, self.broken)
 
     async def _apply(self, plan: RoundPlan) -> bool:
-        """Run one round; return False when the weights are left inconsistent."""
+        """Run one round; return False when it left the weights inconsistent.
+
+        Generation stays paused in that case (requests queue, none is served) until a
+        restore round brings the committed weights back.
+        """
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
         t = plan.timeout_s
         error: Optional[str] = None
         started = False
+        consistent = False
         await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
         try:
             try:
@@ -100,22 +122,21 @@ class SyncAgent:
                 error = f"{type(e).__name__}: {e}"
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
             outcome = await self.coordinator.report.remote(plan.round_id, self.replica_id, error)
-            consistent = True
             if outcome.committed:
                 await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
                 self.version = plan.version
+                consistent = True
             elif started:
                 # vLLM loads tensors into the live model as they arrive: after a partial
                 # transfer the weights are a mix of two versions and must not serve.
-                consistent = False
-                self.broken = f"{plan.round_id} aborted mid-transfer ({outcome.error}); weights are inconsistent"
-                logger.error("replica %s: %s", self.replica_id, self.broken)
+                logger.error("replica %s: %s aborted mid-transfer (%s); restoring", self.replica_id, plan.round_id, outcome.error)
                 await self._close_update()
+            else:
+                consistent = True  # nothing was loaded
             await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version)
             return consistent
         finally:
-            # Generation stays paused while the weights are inconsistent.
-            if self.broken is None:
+            if consistent:
                 await self.engine.resume_generation()
 
     async def _close_update(self) -> None:

@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from rollout.config import PlatformConfig
 from rollout.errors import AuthenticationError, InvalidRequestError, RolloutError
@@ -25,6 +25,7 @@ from rollout.sync.plan import Member, RoundOutcome, RoundPlan, assign_ranks
 from rollout.sync.wire import ParamSpec
 
 KEEPER = "keeper"
+REREGISTER = "register"
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +108,13 @@ class WeightSyncCoordinator:
         logger.info("replica %s registered at version %d (committed %d)", replica_id, version, self.committed_version)
         return self.committed_version
 
-    async def next_round(self, replica_id: str, version: int) -> Optional[RoundPlan]:
-        """Long poll: the plan of a round this replica is a member of, or None after a while."""
+    async def next_round(self, replica_id: str, version: int) -> Union[RoundPlan, str, None]:
+        """Long poll: the plan of a round this replica is a member of, None after a
+        while, or ``REREGISTER`` when the coordinator does not know the replica (it
+        restarted, or dropped the replica as silent)."""
         r = self.replicas.get(replica_id)
         if r is None:
-            return None  # unknown (e.g. coordinator restarted): the replica re-registers
+            return REREGISTER
         r.last_seen = time.monotonic()
         r.version = version
         plan = self._pending_plan(replica_id)
@@ -323,6 +326,7 @@ class WeightSyncCoordinator:
     async def report(self, round_id: str, replica_id: str, error: Optional[str]) -> RoundOutcome:
         """A member received all weights (``error`` None) or failed; wait for the decision."""
         rnd = self._round(round_id)
+        self._seen(replica_id)
         rnd.reports[replica_id] = error
         self._maybe_decide(rnd)
         await rnd.decided.wait()
@@ -342,6 +346,12 @@ class WeightSyncCoordinator:
         r = self.replicas.get(replica_id)
         if r is not None:
             r.version = version
+        self._seen(replica_id)
+
+    def _seen(self, replica_id: str) -> None:
+        r = self.replicas.get(replica_id)
+        if r is not None:
+            r.last_seen = time.monotonic()
 
     async def status(self) -> dict[str, Any]:
         self._live()

@@ -80,7 +80,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on
         # CPU-only torch; gloo's broadcast has completed when wait() returns.
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # vLLM's worker ends the update session on error without finishing it,
+            # which would leave layers on the meta device and break the next
+            # start_weight_update. Finalizing materializes them again (with a mix of
+            # weights, never served: the replica stays paused until a restore round
+            # overwrites every tensor).
+            self.finish_weight_update()
+            raise
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:

@@ -3,7 +3,7 @@
 No cluster is needed: objects are validated against the Kubernetes API schemas shipped
 by ``kubernetes-validate``, the RayService against the KubeRay CRD's openAPIV3Schema,
 and security rules with checkov. The validators are test-time dependencies, imported
-where they are used so ``import rollout.kube`` costs nothing.
+where they are used so importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 KUBERAY_CRDS_ENV = "ROLLOUT_KUBERAY_CRDS"
 # Oldest Kubernetes minor the chart supports (Chart.yaml kubeVersion) and that
 # kubernetes-validate knows; validating against it catches fields too new for users.

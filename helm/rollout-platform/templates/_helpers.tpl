@@ -1,0 +1,168 @@
+{{/* Names and labels. */}}
+{{- define "rollout.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "rollout.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rollout.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rollout.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "rollout.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "rollout.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "rollout.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{- end -}}
+
+{{- define "rollout.secretName" -}}
+{{- if .Values.secrets.create -}}
+{{ include "rollout.fullname" . }}-secrets
+{{- else -}}
+{{ .Values.secrets.existingSecret }}
+{{- end -}}
+{{- end -}}
+
+{{- define "rollout.pvcName" -}}
+{{- default (printf "%s-model-cache" (include "rollout.fullname" .)) .Values.modelCache.existingClaim -}}
+{{- end -}}
+
+{{/* Platform values with the PlatformConfig defaults the chart needs to size pods. */}}
+{{- define "rollout.appName" -}}
+{{- .Values.platform.app_name | default "rollout" -}}
+{{- end -}}
+
+{{- define "rollout.servePort" -}}
+{{- (.Values.platform.http | default dict).port | default 8000 | int -}}
+{{- end -}}
+
+{{- define "rollout.metricsPort" -}}
+{{- (.Values.platform.metrics | default dict).port | default 8080 | int -}}
+{{- end -}}
+
+{{- define "rollout.metricsEnabled" -}}
+{{- $m := .Values.platform.metrics | default dict -}}
+{{- if or (not (hasKey $m "enabled")) $m.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{- define "rollout.routePrefix" -}}
+{{- (.Values.platform.http | default dict).route_prefix | default "/" -}}
+{{- end -}}
+
+{{- define "rollout.healthPath" -}}
+{{- printf "%s/healthz" (include "rollout.routePrefix" . | trimSuffix "/") -}}
+{{- end -}}
+
+{{- define "rollout.tp" -}}
+{{- .Values.platform.model.tensor_parallel_size | default 1 | int -}}
+{{- end -}}
+
+{{- define "rollout.cpuOnly" -}}
+{{- if eq (.Values.platform.model.device | default "auto") "cpu" -}}true{{- end -}}
+{{- end -}}
+
+{{/* GPUs per worker pod: 0 on CPU, else worker.gpusPerPod or tensor_parallel_size. */}}
+{{- define "rollout.gpusPerPod" -}}
+{{- if include "rollout.cpuOnly" . -}}0
+{{- else if kindIs "invalid" .Values.worker.gpusPerPod -}}{{ include "rollout.tp" . }}
+{{- else -}}{{ .Values.worker.gpusPerPod | int }}
+{{- end -}}
+{{- end -}}
+
+{{/* Engine replicas one worker pod holds: each replica takes tensor_parallel_size GPUs. */}}
+{{- define "rollout.replicasPerPod" -}}
+{{- if include "rollout.cpuOnly" . -}}1
+{{- else -}}{{ max 1 (div (include "rollout.gpusPerPod" . | int) (include "rollout.tp" . | int)) }}
+{{- end -}}
+{{- end -}}
+
+{{/* Serve replica bounds: autoscaling min/max, or the fixed replica count twice. */}}
+{{- define "rollout.replicaBounds" -}}
+{{- $d := .Values.platform.deployment | default dict -}}
+{{- $a := $d.autoscaling -}}
+{{- if kindIs "map" $a -}}
+{{- $min := ternary ($a.min_replicas | int) 1 (hasKey $a "min_replicas") -}}
+{{- $max := ternary ($a.max_replicas | int) 4 (hasKey $a "max_replicas") -}}
+{{- dict "min" $min "max" $max | toJson -}}
+{{- else -}}
+{{- $n := ternary ($d.replicas | int) 1 (hasKey $d "replicas") -}}
+{{- dict "min" $n "max" $n | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Worker pods for N replicas: ceil(N / replicasPerPod). */}}
+{{- define "rollout.workerCount" -}}
+{{- $rpp := include "rollout.replicasPerPod" .ctx | int -}}
+{{- div (add .n (sub $rpp 1)) $rpp -}}
+{{- end -}}
+
+{{/* Env shared by every Ray container: secrets by reference, writable dirs under /tmp. */}}
+{{- define "rollout.env" -}}
+- name: ROLLOUT_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rollout.secretName" . }}
+      key: {{ .Values.secrets.apiKeyKey }}
+{{- /* rollout.config's sync.token_env names the variable the sync coordinator reads. */}}
+- name: {{ (.Values.platform.sync | default dict).token_env | default "ROLLOUT_SYNC_TOKEN" }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rollout.secretName" . }}
+      key: {{ .Values.secrets.syncTokenKey }}
+# The root filesystem is read-only: caches (HF, vLLM, Triton, torch) go to /tmp.
+- name: HOME
+  value: /tmp/home
+- name: XDG_CACHE_HOME
+  value: /tmp/cache
+{{- end -}}
+
+{{- define "rollout.containerSecurityContext" -}}
+{{ toYaml .Values.securityContext }}
+{{- end -}}
+
+{{/* Pod-level fields shared by the head and worker templates. */}}
+{{- define "rollout.podCommon" -}}
+{{- $ := .ctx -}}
+securityContext:
+  {{- toYaml $.Values.podSecurityContext | nindent 2 }}
+{{- with $.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- range . }}
+  - name: {{ . }}
+  {{- end }}
+{{- end }}
+{{- with .group.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels that mark a trainer pod (NetworkPolicy peer; the helm test pod wears them too). */}}
+{{- define "rollout.trainerLabels" -}}
+{{- toYaml (.Values.networkPolicy.trainerPodLabels | default (dict "rollout-platform/role" "trainer")) -}}
+{{- end -}}

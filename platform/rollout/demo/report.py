@@ -1,0 +1,33 @@
+"""One PNG that shows a demo run without Grafana."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+
+def write_report(path: Path, steps: Sequence[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in steps]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    panels = [
+        ("reward", "mean reward (target-token rate)"),
+        ("tokens_per_s", "rollout tokens/s"),
+        ("sync_ms", "publish to committed (ms)"),
+        ("version", "committed policy version"),
+    ]
+    for ax, (key, title) in zip(axes.flat, panels):
+        ax.plot(x, [s[key] for s in steps], marker="o", markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Rollout Platform demo: policy-gradient loop on CPU")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
