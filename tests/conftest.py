@@ -24,6 +24,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+METRICS_PORT = free_port()
+
+# End-to-end modules share one app and run in this order: later ones change its state
+# (weights, replica count) that earlier ones assume.
+E2E_ORDER = ["test_generation_e2e", "test_bad_input_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_metrics_e2e"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def key(item):
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        return (E2E_ORDER.index(module) + 1) if module in E2E_ORDER else 0
+
+    items.sort(key=key)  # stable: unit tests first, in their own order
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     from rollout.modelbuild import build_model, is_built
@@ -41,7 +56,14 @@ def ray_cluster():
 
     # Serve replicas inherit the environment of the cluster started here.
     os.environ["ROLLOUT_SYNC_TOKEN"] = SYNC_TOKEN
-    ray.init(num_cpus=8, namespace="rollout-tests", log_to_driver=False)
+    ray.init(
+        num_cpus=8,
+        namespace="rollout-tests",
+        log_to_driver=False,
+        _metrics_export_port=METRICS_PORT,
+        # Report metrics every second (default 10 s) so scrapes see test traffic quickly.
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     yield
     ray.shutdown()
 
@@ -69,6 +91,7 @@ def platform_config(model_dir, tmp_path_factory):
         model_dir,
         model={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES},
         http={"port": free_port(), "api_key_file": str(key_file), "host": "127.0.0.1"},
+        metrics={"port": METRICS_PORT},
         limits={"max_n": MAX_N},
         # Short deadline so fault tests end quickly.
         sync={"timeout_s": 10, "bucket_bytes": 1 << 16},

@@ -32,6 +32,8 @@ API_KEY, SYNC_TOKEN = "sk-test-api-key-7c1f0b", "sync-token-93d2e1"
 CHECKOV_SKIPS = kube.CHECKOV_SKIPS
 
 # name -> values; the same cases feed lint, schema validation and checkov.
+CLUSTER_SCOPED = {"ClusterRoleBinding", "ClusterRole"}
+
 MATRIX: dict[str, dict[str, Any]] = {
     "default": {},
     "cpu-only": {"platform": {"model": {"path": "/models/tiny", "device": "cpu"}, "deployment": {"replicas": 2}}},
@@ -63,6 +65,7 @@ MATRIX: dict[str, dict[str, Any]] = {
         "imagePullSecrets": ["regcred"],
         "worker": {"nodeSelector": {"gpu": "h100"}, "affinity": {"nodeAffinity": {}}},
     },
+    "service-account-auth": {"platform": {"model": {"path": "/models/p"}, "sync": {"allowed_service_accounts": ["system:serviceaccount:rl:trainer"]}}},
 }
 
 
@@ -122,7 +125,8 @@ def test_objects_validate_against_kubernetes_schemas(case):
     errors: list[str] = []
     for o in all_objects(objs):
         assert o["apiVersion"] and o["metadata"]["name"], o
-        assert o["metadata"].get("namespace") == NAMESPACE, (o["kind"], o["metadata"])
+        if o["kind"] not in CLUSTER_SCOPED:
+            assert o["metadata"].get("namespace") == NAMESPACE, (o["kind"], o["metadata"])
         if o["kind"] in kube.CRD_KINDS:
             continue
         errors += kube.core_errors(o)
@@ -382,3 +386,18 @@ def test_checkov(tmp_path):
     readme = (CHART / "README.md").read_text()
     for check in CHECKOV_SKIPS:
         assert check in readme, f"{check} is skipped but not explained in the chart README"
+
+
+def test_service_account_auth_gives_the_coordinator_token_review_rights_only():
+    objs = render(MATRIX["service-account-auth"])
+    (sa,) = objs["ServiceAccount"]
+    (binding,) = objs["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == "system:auth-delegator"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
+    spec = rayservice(objs)["spec"]["rayClusterConfig"]
+    assert spec["headGroupSpec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+    worker = worker_group(objs)["template"]["spec"]
+    assert worker["serviceAccountName"] == sa["metadata"]["name"] and "automountServiceAccountToken" not in worker
+    default = render({})
+    assert "ClusterRoleBinding" not in default and "ServiceAccount" not in default
+    assert worker_group(default)["template"]["spec"]["automountServiceAccountToken"] is False

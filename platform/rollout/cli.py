@@ -80,6 +80,26 @@ def _helm_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from rollout.status import summarize
+
+    if args.kube:
+        from rollout.kube import rayservice_status, render_rayservice_status
+
+        print(render_rayservice_status(rayservice_status(args.namespace, args.name)))
+        print()
+    print(summarize(args.metrics_url, args.interval).render())
+    return 0
+
+
+def _monitoring_assets(args: argparse.Namespace) -> int:
+    from rollout.monitoring import write_assets
+
+    changed = write_assets()
+    print("updated: " + ", ".join(map(str, changed)) if changed else "monitoring assets up to date")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="rollout", description="Rollout Platform: vLLM rollouts for RL trainers.")
@@ -116,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     hs = sub.add_parser("helm-schema", help="write the Helm chart's values.schema.json from the config models")
     hs.add_argument("--out", default=None, help="output file (default: helm/rollout-platform/values.schema.json)")
     hs.set_defaults(func=_helm_schema)
+
+    st = sub.add_parser("status", help="one-screen summary from the metrics endpoint (replicas, versions, tokens/s, KV usage, lag)")
+    st.add_argument("--metrics-url", default="http://127.0.0.1:8080/metrics", help="Ray's metrics export endpoint")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between the two scrapes that turn counters into rates")
+    st.add_argument("--kube", action="store_true", help="also print the RayService's status and conditions from the cluster")
+    st.add_argument("--namespace", default="default", help="namespace of the RayService (with --kube)")
+    st.add_argument("--name", default="rollout", help="name of the RayService (with --kube)")
+    st.set_defaults(func=_status)
+
+    ma = sub.add_parser("monitoring-assets", help="write the Grafana dashboard and alert rules (k8s/monitoring and the chart)")
+    ma.set_defaults(func=_monitoring_assets)
 
     args = p.parse_args(argv)
     return args.func(args)

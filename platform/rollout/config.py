@@ -222,6 +222,10 @@ class SyncConfig(_Section):
     timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Deadline (s) of every sync step: rendezvous, transfer, commit, (0, 3600].")
     bucket_bytes: int = Field(default=256 << 20, ge=1 << 16, le=8 << 30, description="Packed transfer bucket size in bytes, 64 KiB..8 GiB.")
     token_env: str = Field(default="ROLLOUT_SYNC_TOKEN", description="Environment variable holding the token trainers must present; unset means no token is required (a warning is logged).")
+    allowed_service_accounts: list[str] = Field(
+        default_factory=list,
+        description="Kubernetes service accounts (`system:serviceaccount:NAMESPACE:NAME`) whose projected token, verified by a TokenReview, may publish instead of the sync token.",
+    )
 
 
 class PlatformConfig(_Section):

@@ -41,7 +41,8 @@ def local_platform(cfg: PlatformConfig, num_cpus: int = 8) -> Iterator[PlatformC
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=num_cpus, namespace="rollout", log_to_driver=False)
+        # Ray's metrics agent serves every process's metrics on this port.
+        ray.init(num_cpus=num_cpus, namespace="rollout", log_to_driver=False, _metrics_export_port=cfg.metrics.port)
     try:
         deploy(cfg)
         yield cfg

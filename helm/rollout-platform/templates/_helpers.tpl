@@ -166,3 +166,14 @@ affinity:
 {{- define "rollout.trainerLabels" -}}
 {{- toYaml (.Values.networkPolicy.trainerPodLabels | default (dict "rollout-platform/role" "trainer")) -}}
 {{- end -}}
+
+{{/* Trainers may authenticate with ServiceAccount tokens: the coordinator (head or a worker
+pod) then needs a token of its own allowed to create TokenReviews. */}}
+{{- define "rollout.kubeAuth" -}}
+{{- $sync := .Values.platform.sync | default dict -}}
+{{- if $sync.allowed_service_accounts }}true{{ end -}}
+{{- end -}}
+
+{{- define "rollout.syncServiceAccount" -}}
+{{ include "rollout.fullname" . }}-sync
+{{- end -}}

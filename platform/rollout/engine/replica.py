@@ -46,7 +46,14 @@ class RolloutEngine:
 
         self.config = PlatformConfig.model_validate(config)
         self.replica_id = self._replica_id()
-        self.snapshot = SchedulerSnapshot()
+        self.metrics = None
+        stat_loggers = []
+        if self.config.metrics.enabled:
+            from rollout.metrics import EngineMetrics, vllm_ray_stat_logger
+
+            self.metrics = EngineMetrics(self.replica_id, self.config.model.name, self.config.app_name)
+            stat_loggers.append(vllm_ray_stat_logger())
+        self.snapshot = SchedulerSnapshot(self.metrics)
         kwargs = engine_kwargs(self.config.model, device)
         if coordinator is not None:
             from vllm.config import WeightTransferConfig
@@ -56,7 +63,7 @@ class RolloutEngine:
             register()  # this process resolves the backend name before vLLM loads plugins
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=sync_backend)
         args = AsyncEngineArgs(**kwargs)
-        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.snapshot)])
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.snapshot), *stat_loggers])
         mc = self.engine.model_config
         self.limits = ModelLimits(
             vocab_size=mc.get_vocab_size(),
@@ -72,7 +79,7 @@ class RolloutEngine:
             from rollout.sync.agent import SyncAgent
 
             ranks = self.config.model.tensor_parallel_size
-            self.sync = SyncAgent(self.engine, coordinator, self.replica_id, ranks, self.config.model.path)
+            self.sync = SyncAgent(self.engine, coordinator, self.replica_id, ranks, self.config.model.path, self.metrics)
             # Registration (and catch-up) happen before __init__ returns, so Serve
             # routes no request here until this replica holds the committed version.
             await self.sync.start()
@@ -133,14 +140,25 @@ class RolloutEngine:
 
     # ---- generation -------------------------------------------------------------
 
+    def _count(self, outcome: str, n: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.request(outcome, n)
+
+    def _served(self, prompt_tokens: int, generated: int, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.served(prompt_tokens, generated, time.monotonic() - started)
+            self.metrics.request("ok")
+
     async def _generate_one(self, req: RolloutRequest, prompt_ids: list[int]) -> RolloutResult:
         from rollout.engine.convert import to_sample, to_sampling_params
 
+        started = time.monotonic()
         params = to_sampling_params(req.sampling, req.n, stream=False)
         final = None
         async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._engine_request_id(req)):
             final = out
         samples = sorted(final.outputs, key=lambda c: c.index)
+        self._served(len(prompt_ids), sum(len(c.token_ids) for c in samples), started)
         return RolloutResult(
             request_id=req.request_id,
             prompt_token_ids=prompt_ids,
@@ -157,33 +175,58 @@ class RolloutEngine:
         of the batch in the engine.
         """
         self._raise_if_dead()
-        prepared = self._prepare(requests, offset)
+        try:
+            prepared = self._prepare(requests, offset)
+        except InvalidRequestError:
+            self._count("invalid", len(requests))
+            raise
         self.inflight += len(prepared)
+        try:
+            return await self._run_batch(prepared)
+        except asyncio.CancelledError:
+            self._count("cancelled", len(prepared))
+            raise
+        finally:
+            self.inflight -= len(prepared)
+
+    async def _run_batch(self, prepared: list[tuple[RolloutRequest, list[int]]]) -> list[RolloutResult]:
+        tasks: list[asyncio.Task] = []
         try:
             # TaskGroup cancels the rest of the batch if one request fails.
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._generate_one(r, ids)) for r, ids in prepared]
             return [t.result() for t in tasks]
         except* Exception as eg:
+            self._count("error", sum(1 for t in tasks if t.cancelled() or t.exception() is not None))
             self._raise_if_dead()
             raise eg.exceptions[0] from None
-        finally:
-            self.inflight -= len(prepared)
 
     async def generate_stream(self, request: Any) -> AsyncIterator[RolloutChunk]:
         """Stream one request's tokens as they are produced (``n`` samples interleaved)."""
         from rollout.engine.convert import to_chunk, to_sampling_params
 
         self._raise_if_dead()
-        ((req, prompt_ids),) = self._prepare([request])
+        try:
+            ((req, prompt_ids),) = self._prepare([request])
+        except InvalidRequestError:
+            self._count("invalid")
+            raise
         params = to_sampling_params(req.sampling, req.n, stream=True)
         self.inflight += 1
-        first = True
+        first, generated, started = True, 0, time.monotonic()
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._engine_request_id(req)):
                 for c in out.outputs:
+                    generated += len(c.token_ids)
                     yield to_chunk(req.request_id, c, prompt_ids if first else None)
                     first = False
+            self._served(len(prompt_ids), generated, started)
+        except (asyncio.CancelledError, GeneratorExit):
+            self._count("cancelled")
+            raise
+        except Exception:
+            self._count("error")
+            raise
         finally:
             self.inflight -= 1
 

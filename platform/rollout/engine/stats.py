@@ -29,8 +29,9 @@ class EngineStats(BaseModel):
 class SchedulerSnapshot:
     """Latest scheduler numbers plus cumulative prefix-cache counters, shared with the replica."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Optional[Any] = None) -> None:
         self._lock = threading.Lock()
+        self.metrics = metrics  # rollout.metrics.EngineMetrics, when metrics are enabled
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
@@ -40,16 +41,18 @@ class SchedulerSnapshot:
         self.last_step_wall = 0.0
 
     def update(self, scheduler_stats: Any) -> None:
+        pcs = scheduler_stats.prefix_cache_stats
+        queries, hits = (pcs.queries, pcs.hits) if pcs is not None else (0, 0)
         with self._lock:
             self.running = scheduler_stats.num_running_reqs
             self.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
             self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
-            pcs = scheduler_stats.prefix_cache_stats
-            if pcs is not None:
-                self.prefix_cache_queries += pcs.queries
-                self.prefix_cache_hits += pcs.hits
+            self.prefix_cache_queries += queries
+            self.prefix_cache_hits += hits
             self.last_step_monotonic = time.monotonic()
             self.last_step_wall = time.time()
+        if self.metrics is not None:
+            self.metrics.scheduler(self.running, self.waiting, self.kv_cache_usage, queries, hits)
 
     def seconds_since_step(self) -> float:
         return time.monotonic() - self.last_step_monotonic

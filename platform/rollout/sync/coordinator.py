@@ -48,6 +48,7 @@ class _Replica:
 class _Round:
     plan: RoundPlan
     deadline: float
+    opened_at: float = field(default_factory=time.monotonic)
     reports: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
     trainer_error: Optional[str] = None
     trainer_done: bool = False
@@ -84,10 +85,17 @@ class WeightSyncCoordinator:
         self.params: Optional[list[ParamSpec]] = None
         self.round: Optional[_Round] = None
         self.last_outcome: Optional[RoundOutcome] = None
+        self.metrics = None
+        if self.config.metrics.enabled:
+            from rollout.metrics import SyncMetrics
+
+            self.metrics = SyncMetrics(backend)
+        self._gauges_task: Optional[asyncio.Task] = None
         self._token = os.environ.get(self.config.sync.token_env) or None
         if self._token is None:
             logger.warning("%s is not set: any client that reaches the coordinator can publish weights", self.config.sync.token_env)
         self.poll_s = 5.0
+        self._departed: list[str] = []
         # The keeper rides the gloo wire; with vLLM's GPU backends it would need a GPU.
         self.keeper = WeightKeeper(self.config.model.path) if backend == "gloo" else None
         # Held from opening a round until its decision: one round at a time.
@@ -103,6 +111,8 @@ class WeightSyncCoordinator:
         """
         if self.params is None:
             self.params = list(params)
+        if self.metrics is not None and self._gauges_task is None:
+            self._gauges_task = asyncio.get_running_loop().create_task(self._update_gauges())
         self.committed_version = max(self.committed_version, version)
         self.replicas[replica_id] = _Replica(ranks=ranks, version=version, last_seen=time.monotonic())
         logger.info("replica %s registered at version %d (committed %d)", replica_id, version, self.committed_version)
@@ -141,17 +151,35 @@ class WeightSyncCoordinator:
         for rid in [rid for rid, r in self.replicas.items() if r.last_seen < horizon]:
             logger.warning("replica %s stopped polling; dropped from membership", rid)
             del self.replicas[rid]
+            self._departed.append(rid)
         return {rid: r.ranks for rid, r in self.replicas.items()}
+
+    async def _update_gauges(self) -> None:
+        while True:
+            self._live()
+            gone, self._departed = self._departed, []
+            self.metrics.membership(self.committed_version, {rid: r.version for rid, r in self.replicas.items()}, gone)
+            await asyncio.sleep(1.0)
 
     # ---- rounds --------------------------------------------------------------------
 
-    def _authorize(self, token: Optional[str]) -> None:
-        if self._token is None:
+    async def _authorize(self, token: Optional[str]) -> None:
+        allowed = self.config.sync.allowed_service_accounts
+        if self._token is None and not allowed:
             return
         if not token:
             raise AuthenticationError(f"missing sync token: set {self.config.sync.token_env} for the publisher")
-        if not hmac.compare_digest(token.encode(), self._token.encode()):
-            raise AuthenticationError("wrong sync token")
+        if self._token is not None and hmac.compare_digest(token.encode(), self._token.encode()):
+            return
+        if allowed:
+            from rollout.kube import review_token
+
+            # A trainer pod's projected ServiceAccount token, verified by the API server.
+            user = await asyncio.to_thread(review_token, token)
+            if user in allowed:
+                return
+            raise AuthenticationError(f"service account {user or '(unauthenticated)'} may not publish weights")
+        raise AuthenticationError("wrong sync token")
 
     async def begin_round(
         self,
@@ -162,7 +190,7 @@ class WeightSyncCoordinator:
         master_port: int,
     ) -> RoundPlan:
         """Validate a publish and open a round; no replica changes before this succeeds."""
-        self._authorize(token)
+        await self._authorize(token)
         if self.params is None:
             raise SyncError("no engine replica has registered yet")
         check_spec(params, self.params)
@@ -283,17 +311,23 @@ class WeightSyncCoordinator:
             await asyncio.wait_for(rnd.decided.wait(), timeout=max(0.0, rnd.deadline - time.monotonic()))
         except asyncio.TimeoutError:
             silent = [m.replica_id for m in rnd.plan.members if m.replica_id not in rnd.reports]
-            self._decide(rnd, f"deadline of {rnd.deadline:.0f}s passed; no report from {silent or 'the trainer'}")
+            window = rnd.deadline - rnd.opened_at
+            self._decide(rnd, f"deadline of {window:.0f}s passed; no report from {silent or 'the trainer'}", reason="deadline")
 
-    def _decide(self, rnd: _Round, error: Optional[str] = None) -> None:
+    def _decide(self, rnd: _Round, error: Optional[str] = None, reason: Optional[str] = None) -> None:
         if rnd.decided.is_set():
             return
         failed = [rid for rid, err in rnd.reports.items() if err]
         if error is None and rnd.trainer_error:
-            error = f"trainer: {rnd.trainer_error}"
+            error, reason = f"trainer: {rnd.trainer_error}", "trainer"
         if error is None and failed:
             error = "; ".join(f"{rid}: {rnd.reports[rid]}" for rid in failed)
+            reason = "keeper" if failed == [KEEPER] else "replica"
         committed = error is None
+        if self.metrics is not None:
+            nbytes = sum(p.nbytes for p in rnd.plan.params)
+            kind = "restore" if rnd.plan.restore else "publish"
+            self.metrics.round(kind, committed, time.monotonic() - rnd.opened_at, nbytes, reason)
         if committed:
             self.committed_version = rnd.plan.version
         if self.keeper is not None and not rnd.plan.restore:

@@ -1,0 +1,119 @@
+"""The platform's Prometheus metrics.
+
+Recorded with ``ray.util.metrics`` so Ray's metrics agent exports them from every
+replica process on the node's metrics port (``--metrics-export-port``, 8080 in the
+chart), with Ray's ``ray_`` prefix: ``rollout_generated_tokens_total`` is scraped as
+``ray_rollout_generated_tokens_total``. vLLM's own metrics are exported the same way by
+vLLM's ``RayPrometheusStatLogger`` under their current names (``ray_vllm_*``).
+
+Labels are bounded on purpose: replica ids, outcomes, backends and failure reasons come
+from small fixed sets; request ids and prompts never become labels.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
+SYNC_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+
+REQUEST_OUTCOMES = ("ok", "invalid", "cancelled", "error")
+SYNC_FAILURE_REASONS = ("trainer", "replica", "deadline", "keeper")
+
+
+class EngineMetrics:
+    """Per-replica metrics of an engine replica."""
+
+    def __init__(self, replica_id: str, model: str, app: str):
+        from ray.util import metrics as m
+
+        tags = ("replica", "model", "app")
+        self._tags = {"replica": replica_id, "model": model, "app": app}
+        self.requests = m.Counter("rollout_requests", "Rollout requests by outcome.", tag_keys=tags + ("outcome",))
+        self.generated = m.Counter("rollout_generated_tokens", "Tokens generated and returned to clients.", tag_keys=tags)
+        self.prompt = m.Counter("rollout_prompt_tokens", "Prompt tokens of served requests.", tag_keys=tags)
+        self.latency = m.Histogram(
+            "rollout_request_latency_seconds", "End-to-end latency of a request inside the replica.", boundaries=LATENCY_BUCKETS, tag_keys=tags
+        )
+        self.running = m.Gauge("rollout_engine_running", "Sequences the engine is running.", tag_keys=tags)
+        self.waiting = m.Gauge("rollout_engine_waiting", "Sequences waiting for the engine.", tag_keys=tags)
+        self.kv_usage = m.Gauge("rollout_kv_cache_usage", "Fraction of KV-cache blocks in use (0-1).", tag_keys=tags)
+        self.prefix_queries = m.Counter("rollout_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", tag_keys=tags)
+        self.prefix_hits = m.Counter("rollout_prefix_cache_hits", "Prompt tokens found in the prefix cache.", tag_keys=tags)
+        self.version = m.Gauge("rollout_replica_weight_version", "Policy version the replica serves.", tag_keys=tags)
+        for g in (self.running, self.waiting, self.kv_usage, self.version):
+            g.set(0, tags=self._tags)
+
+    def request(self, outcome: str, n: int = 1) -> None:
+        if outcome not in REQUEST_OUTCOMES:
+            raise ValueError(f"outcome {outcome!r} is not one of {REQUEST_OUTCOMES}")
+        if n > 0:
+            self.requests.inc(n, tags={**self._tags, "outcome": outcome})
+
+    def served(self, prompt_tokens: int, generated_tokens: int, latency_s: float) -> None:
+        # Ray counters reject increments of 0.
+        if prompt_tokens:
+            self.prompt.inc(prompt_tokens, tags=self._tags)
+        if generated_tokens:
+            self.generated.inc(generated_tokens, tags=self._tags)
+        self.latency.observe(latency_s, tags=self._tags)
+
+    def scheduler(self, running: int, waiting: int, kv_usage: float, prefix_queries: int, prefix_hits: int) -> None:
+        self.running.set(running, tags=self._tags)
+        self.waiting.set(waiting, tags=self._tags)
+        self.kv_usage.set(kv_usage, tags=self._tags)
+        if prefix_queries:
+            self.prefix_queries.inc(prefix_queries, tags=self._tags)
+        if prefix_hits:
+            self.prefix_hits.inc(prefix_hits, tags=self._tags)
+
+    def weight_version(self, version: int) -> None:
+        self.version.set(version, tags=self._tags)
+
+
+class SyncMetrics:
+    """Metrics of the weight-sync coordinator."""
+
+    def __init__(self, backend: str):
+        from ray.util import metrics as m
+
+        self.backend = backend
+        self.committed = m.Gauge("rollout_committed_weight_version", "Last committed policy version.")
+        self.lag = m.Gauge("rollout_weight_version_lag", "Committed version minus the version a replica serves.", tag_keys=("replica",))
+        self.replicas = m.Gauge("rollout_sync_replicas", "Engine replicas registered with the coordinator.")
+        self.duration = m.Histogram(
+            "rollout_weight_sync_duration_seconds", "Publish round duration, open to decision.", boundaries=SYNC_BUCKETS, tag_keys=("backend", "kind")
+        )
+        self.bytes = m.Counter("rollout_weight_sync_bytes", "Bytes of weights committed per backend.", tag_keys=("backend",))
+        self.rounds = m.Counter("rollout_weight_sync_rounds", "Sync rounds by kind and result.", tag_keys=("backend", "kind", "result"))
+        self.failures = m.Counter("rollout_weight_sync_failures", "Aborted sync rounds by reason.", tag_keys=("backend", "reason"))
+        self.committed.set(0)
+        self.replicas.set(0)
+
+    def round(self, kind: str, committed: bool, seconds: float, nbytes: int, reason: Optional[str]) -> None:
+        tags = {"backend": self.backend, "kind": kind}
+        self.duration.observe(seconds, tags=tags)
+        self.rounds.inc(1, tags={**tags, "result": "committed" if committed else "aborted"})
+        if committed and kind == "publish" and nbytes:
+            self.bytes.inc(nbytes, tags={"backend": self.backend})
+        if not committed:
+            reason = reason if reason in SYNC_FAILURE_REASONS else "replica"
+            self.failures.inc(1, tags={"backend": self.backend, "reason": reason})
+
+    def membership(self, committed_version: int, versions: dict[str, int], gone: list[str]) -> None:
+        self.committed.set(committed_version)
+        self.replicas.set(len(versions))
+        for rid, v in versions.items():
+            self.lag.set(committed_version - v, tags={"replica": rid})
+        for rid in gone:
+            # A departed replica must not keep reporting its last lag forever.
+            self.lag.set(0, tags={"replica": rid})
+
+
+@lru_cache(maxsize=1)
+def vllm_ray_stat_logger():
+    """vLLM's own metrics through Ray's agent (``ray_vllm_*``), as Ray Serve LLM does."""
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return RayPrometheusStatLogger

@@ -1,0 +1,58 @@
+"""A real Prometheus server (Debian's package) on loopback, scraping the test cluster."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+class PrometheusServer:
+    def __init__(self, workdir: Path, scrape_port: int, port: int, rule_files: list[Path]):
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise RuntimeError("prometheus is not installed: `apt-get install prometheus` (.ci/run does it)")
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in rule_files],
+            "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{scrape_port}"]}]}],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL,
+            stderr=open(workdir / "prometheus.log", "w"),
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("prometheus did not become ready")
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
+        body = r.json()
+        if body.get("status") != "success":
+            raise AssertionError(f"{expr}: {body}")
+        return body["data"]["result"]
+
+    def value(self, expr: str) -> float:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else float("nan")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
