@@ -105,5 +105,5 @@ def test_every_config_field_is_documented():
                 if isinstance(t, type) and issubclass(t, PlatformConfig.__mro__[1]):
                     yield from walk(t)
 
-    missing = [f"{m}.{n}" for m, n, f in walk(PlatformConfig) if not f.description and n not in {"model", "deployment", "limits", "http", "metrics"}]
+    missing = [f"{m}.{n}" for m, n, f in walk(PlatformConfig) if not f.description and n not in {"model", "deployment", "limits", "http", "metrics", "sync", "routing"}]
     assert not missing, missing

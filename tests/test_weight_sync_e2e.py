@@ -211,11 +211,12 @@ async def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_last_com
 
 
 async def _wait_for_outcome(publisher, committed):
+    """The outcome of the publish round that tried to commit ``committed + 1``."""
     for _ in range(300):
         status = await asyncio.to_thread(publisher.status)
-        last = status["last_outcome"]
-        if status["round_in_progress"] is None and last and last["round_id"].startswith(f"round-{committed + 1}-"):
-            return last
+        rounds = [r for r in status["recent_rounds"] if r["round_id"].startswith(f"round-{committed + 1}-")]
+        if rounds:
+            return rounds[-1]
         await asyncio.sleep(0.5)
     raise AssertionError(f"no decision: {status}")
 

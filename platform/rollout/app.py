@@ -55,7 +55,20 @@ def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
             "look_back_period_s": a.look_back_period_s,
+            "metrics_interval_s": min(10.0, a.look_back_period_s),
+            # Sized on the engines' running + waiting sequences, not on Serve's call count.
+            "policy": {"policy_function": "rollout.scaling:engine_load_policy"},
         }
+    r = d.routing
+    if r.policy == "affinity":
+        from ray.serve.config import RequestRouterConfig
+
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class="rollout.routing.router:AffinityRouter",
+            request_router_kwargs={"max_imbalance": r.max_imbalance, "prefix_tokens": r.prefix_tokens},
+            request_routing_stats_period_s=r.stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, r.stats_period_s),
+        )
     return opts
 
 

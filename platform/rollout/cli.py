@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run the benchmarks; JSON results under --out")
     bench.add_argument("--model", default="build/model")
     bench.add_argument("--out", default="build/bench")
-    bench.add_argument("--only", nargs="*", help="run only these benchmarks (engine_throughput, weight_sync)")
+    bench.add_argument("--only", nargs="*", help="run only these benchmarks (engine_throughput, weight_sync, scaling)")
     bench.set_defaults(func=_bench)
 
     c = sub.add_parser("config-docs", help="print the configuration reference, or rewrite it in a README")

@@ -111,7 +111,7 @@ class AutoscalingConfig(_Section):
     target_ongoing_requests: float = Field(
         default=64.0,
         gt=0,
-        description="Ongoing sequences per replica the autoscaler aims for (> 0).",
+        description="Sequences (running + waiting in the engine) per replica the autoscaler aims for (> 0).",
     )
     upscale_delay_s: float = Field(default=30.0, ge=0, description="Seconds load must stay high before adding replicas (>= look_back_period_s).")
     downscale_delay_s: float = Field(default=300.0, ge=0, description="Seconds load must stay low before removing replicas (>= look_back_period_s).")
@@ -132,6 +132,18 @@ class AutoscalingConfig(_Section):
         return self
 
 
+class RoutingConfig(_Section):
+    """How requests pick an engine replica."""
+
+    policy: Literal["affinity", "default"] = Field(
+        default="affinity",
+        description="`affinity`: requests sharing a session or prompt prefix go to one replica (its prefix cache), unless it is loaded `max_imbalance` above the least-loaded one; `default`: Serve's power-of-two-choices.",
+    )
+    max_imbalance: float = Field(default=0.25, ge=0, le=10, description="Load gap ((running+waiting)/max_num_seqs) above the least-loaded replica at which affinity yields, 0..10.")
+    prefix_tokens: int = Field(default=32, ge=1, le=65536, description="Leading prompt tokens that form the affinity key, 1..65536.")
+    stats_period_s: float = Field(default=1.0, gt=0, le=60, description="How often replicas report engine stats to routers (bounds their staleness), (0, 60].")
+
+
 class DeploymentConfig(_Section):
     """How the engine deployment runs in Ray Serve."""
 
@@ -140,6 +152,7 @@ class DeploymentConfig(_Section):
     autoscaling: Optional[AutoscalingConfig] = Field(
         default=None, description="Autoscaling settings; unset means a fixed `replicas` count."
     )
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     max_ongoing_requests: Optional[int] = Field(
         default=None,
         ge=1,

@@ -21,7 +21,8 @@ CPU_MODEL_DEFAULTS = {"max_model_len": 1024, "kv_cache_memory_bytes": 512 << 20,
 
 
 def cpu_config(model_dir: str | Path, **overrides: Any) -> PlatformConfig:
-    """A config for the built model on CPU; ``overrides`` are merged per section."""
+    """A config for the built model on CPU; ``overrides`` are merged per section
+    (top-level scalars such as ``app_name`` replace)."""
     data: dict[str, Any] = {"model": {"path": str(model_dir), **CPU_MODEL_DEFAULTS}}
     for section, values in overrides.items():
         if isinstance(values, dict):

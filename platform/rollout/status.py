@@ -24,6 +24,16 @@ def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
+def prefix_cache_counters(url: str, app: str) -> tuple[float, float]:
+    """(hits, queries) of the prefix caches of ``app``'s replicas, summed."""
+    samples = scrape(url)
+
+    def total(name: str) -> float:
+        return sum(v for labels, v in samples.get(name, []) if labels.get("app") == app)
+
+    return total("ray_rollout_prefix_cache_hits_total"), total("ray_rollout_prefix_cache_queries_total")
+
+
 @dataclass
 class ReplicaRow:
     replica: str

@@ -19,7 +19,7 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-BENCHMARKS = ("engine_throughput", "weight_sync")
+BENCHMARKS = ("engine_throughput", "weight_sync", "scaling")
 
 
 def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCHMARKS) -> int:
@@ -36,4 +36,8 @@ def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCH
         from rollout.bench.weight_sync import run as run_sync
 
         write_result(out_dir, "weight_sync", run_sync(model_dir.parent))
+    if "scaling" in only:
+        from rollout.bench.scaling import run as run_scaling
+
+        write_result(out_dir, "scaling", run_scaling(model_dir))
     return 0

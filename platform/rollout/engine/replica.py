@@ -248,6 +248,32 @@ class RolloutEngine:
             updated_at=s.last_step_wall,
         )
 
+    def _engine_sequences(self) -> int:
+        s = self.snapshot
+        if self.inflight == 0 and s.seconds_since_step() > 2.0:
+            return 0  # idle: the last scheduler report may predate the final step
+        return s.running + s.waiting
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve polls this for request routers (``deployment.routing.stats_period_s``)."""
+        s = self.snapshot
+        return {
+            "running": s.running,
+            "waiting": s.waiting,
+            "inflight": self.inflight,
+            "max_num_seqs": self.config.model.max_num_seqs,
+            "kv_cache_usage": s.kv_cache_usage,
+            "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+            "weight_version": self.sync.version if self.sync is not None else 0,
+            "updated_at": s.last_step_wall,
+        }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Engine load for :func:`rollout.scaling.engine_load_policy`."""
+        from rollout.scaling import KV_USAGE, SEQUENCES
+
+        return {SEQUENCES: float(self._engine_sequences()), KV_USAGE: self.snapshot.kv_cache_usage}
+
     async def model_info(self) -> dict[str, Any]:
         return {
             "name": self.config.model.name,

@@ -26,6 +26,7 @@ from rollout.sync.wire import ParamSpec
 
 KEEPER = "keeper"
 REREGISTER = "register"
+HISTORY = 20  # round outcomes kept for status()
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class WeightSyncCoordinator:
         self.params: Optional[list[ParamSpec]] = None
         self.round: Optional[_Round] = None
         self.last_outcome: Optional[RoundOutcome] = None
+        self.history: list[RoundOutcome] = []
         self.metrics = None
         if self.config.metrics.enabled:
             from rollout.metrics import SyncMetrics
@@ -216,8 +218,10 @@ class WeightSyncCoordinator:
         if version <= self.committed_version:
             raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.committed_version}")
         live = self._live()
-        if not live:
+        if not live and self.keeper is None:
             raise SyncError("no live engine replica to publish to")
+        # With no replica (scaled to zero) the round commits into the keeper alone;
+        # replicas that start later catch up from it.
         members, world_size = assign_ranks(live)
         keeper_rank = None
         if self.keeper is not None:
@@ -337,6 +341,8 @@ class WeightSyncCoordinator:
                 self.keeper.discard()
         rnd.outcome = RoundOutcome(rnd.plan.round_id, committed, self.committed_version, error or "", failed)
         self.last_outcome = rnd.outcome
+        self.history.append(rnd.outcome)
+        del self.history[:-HISTORY]
         rnd.decided.set()
         self._round_lock.release()
         log = logger.info if committed else logger.error
@@ -394,4 +400,5 @@ class WeightSyncCoordinator:
             "replicas": {rid: {"version": r.version, "ranks": r.ranks} for rid, r in self.replicas.items()},
             "round_in_progress": self.round.plan.round_id if self.round and not self.round.decided.is_set() else None,
             "last_outcome": vars(self.last_outcome) if self.last_outcome else None,
+            "recent_rounds": [vars(o) for o in self.history],
         }

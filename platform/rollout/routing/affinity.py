@@ -1,0 +1,69 @@
+"""Which replica should serve a request: affinity first, load as the tie-breaker.
+
+Requests that share a prefix (the ``n`` samples of a GRPO group, a system prompt) or a
+``session_id`` (the turns of one episode) should land on the replica whose prefix cache
+already holds their KV. Rendezvous hashing gives every key a stable preferred replica
+that only moves when that replica leaves. When the preferred replica is loaded more
+than ``max_imbalance`` above the least-loaded one, the request goes to the least-loaded
+replica instead: a cache hit is not worth a queue.
+
+Loads are ``(running + waiting) / max_num_seqs`` from each replica's own engine stats.
+A replica without stats is *unknown*: never preferred by load, logged, and used only
+when no replica has stats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    replica_id: str
+    load: Optional[float]  # None: no stats reported (yet)
+
+
+def affinity_key(request: Any, prefix_tokens: int, prefix_chars: int) -> Optional[str]:
+    """A stable key for a request: its session, else its prompt's prefix."""
+    get = request.get if isinstance(request, dict) else lambda k, d=None: getattr(request, k, d)
+    session = get("session_id")
+    if session:
+        return f"session:{session}"
+    ids = get("prompt_token_ids")
+    if ids:
+        return "tokens:" + ",".join(map(str, list(ids)[:prefix_tokens]))
+    prompt = get("prompt")
+    if prompt:
+        return "text:" + prompt[:prefix_chars]
+    messages = get("messages")
+    if messages:
+        first = [m if isinstance(m, dict) else m.model_dump() for m in list(messages)[:2]]
+        return "chat:" + json.dumps(first, sort_keys=True)[:prefix_chars]
+    return None
+
+
+def _score(key: str, replica_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{replica_id}".encode(), digest_size=8).digest(), "big")
+
+
+def rank(key: Optional[str], replicas: Sequence[ReplicaLoad], max_imbalance: float) -> list[str]:
+    """Replica ids, best first."""
+    if not replicas:
+        return []
+    known = sorted((r for r in replicas if r.load is not None), key=lambda r: (r.load, r.replica_id))
+    unknown = [r for r in replicas if r.load is None]
+    if unknown:
+        logger.info("no engine stats yet from %s; ranked after replicas that report", [r.replica_id for r in unknown])
+    by_load = [r.replica_id for r in known] + sorted(r.replica_id for r in unknown)
+    if key is None or not known:
+        return by_load
+    preferred = max(known, key=lambda r: _score(key, r.replica_id))
+    if preferred.load - known[0].load > max_imbalance:
+        return by_load  # the preferred replica is overloaded: least loaded first
+    return [preferred.replica_id] + [rid for rid in by_load if rid != preferred.replica_id]

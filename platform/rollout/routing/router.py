@@ -1,0 +1,48 @@
+"""Ray Serve request router for the engine deployment: prefix and session affinity.
+
+Plugged in through Serve's request-router extension point (``RequestRouterConfig``).
+Replicas report their engine stats through ``record_routing_stats`` every
+``deployment.routing.stats_period_s``; the decision itself is :func:`rollout.routing.affinity.rank`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from rollout.routing.affinity import ReplicaLoad, affinity_key, rank
+
+logger = logging.getLogger(__name__)
+
+
+def _load(stats: Optional[dict]) -> Optional[float]:
+    if not stats or not stats.get("max_num_seqs"):
+        return None
+    return (stats.get("running", 0) + stats.get("waiting", 0)) / stats["max_num_seqs"]
+
+
+class AffinityRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, max_imbalance: float = 0.25, prefix_tokens: int = 32, prefix_chars: int = 128, **kwargs):
+        self.max_imbalance = max_imbalance
+        self.prefix_tokens = prefix_tokens
+        self.prefix_chars = prefix_chars
+
+    def _key(self, pending_request: Optional[PendingRequest]) -> Optional[str]:
+        if pending_request is None or not pending_request.args:
+            return None
+        first = pending_request.args[0]
+        if isinstance(first, (list, tuple)):
+            # A batch (one chunk of a client call): its first request stands for it.
+            first = first[0] if first else None
+        return affinity_key(first, self.prefix_tokens, self.prefix_chars) if first is not None else None
+
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = [ReplicaLoad(rid, _load(r.routing_stats)) for rid, r in by_id.items()]
+        ranked = rank(self._key(pending_request), loads, self.max_imbalance)
+        # One replica per rank: Serve tries them in order if one is at max_ongoing_requests.
+        return [[by_id[rid]] for rid in ranked]
