@@ -63,6 +63,7 @@ GENERATED = "sum(ray_rollout_generated_tokens_total)"
 
 
 async def test_token_counters_match_the_tokens_the_client_received(prometheus, handle_client, http_client):
+    await until(prometheus, GENERATED, lambda r: True)  # scraped at least once
     before = await settled(prometheus, GENERATED)
     reqs = [RolloutRequest(prompt=f"step {i} of the policy", n=2, sampling=SamplingConfig(max_tokens=8 + i, temperature=1.0)) for i in range(12)]
     results = await handle_client.generate(reqs) + await http_client.generate(reqs[:5])
@@ -112,13 +113,19 @@ async def test_every_dashboard_and_alert_expression_returns_data(prometheus, pub
 
 async def test_series_count_does_not_grow_with_request_ids_and_prompts(prometheus, handle_client):
     expr = 'count({__name__=~"ray_rollout_.*|ray_vllm_.*"})'
-    await handle_client.generate([RolloutRequest(prompt="warm", sampling=SamplingConfig(max_tokens=2))])
+
+    def batch(tag: str):
+        return [
+            RolloutRequest(prompt=f"unique prompt {tag} {i * 7919}", request_id=f"{tag}-{i}-{time.time_ns()}", session_id=f"{tag}-session-{i}", sampling=SamplingConfig(max_tokens=2))
+            for i in range(60)
+        ]
+
+    # The first batch creates every series this kind of traffic touches; a second batch
+    # with 60 new ids, sessions and prompts must not add one.
+    await handle_client.generate(batch("a"))
+    await settled(prometheus, GENERATED)
     before = await settled(prometheus, expr)
-    reqs = [
-        RolloutRequest(prompt=f"unique prompt {i} {i * 7919}", request_id=f"id-{i}-{time.time_ns()}", session_id=f"session-{i}", sampling=SamplingConfig(max_tokens=2))
-        for i in range(60)
-    ]
-    await handle_client.generate(reqs)
+    await handle_client.generate(batch("b"))
     await settled(prometheus, GENERATED)
     assert await settled(prometheus, expr) == before
 

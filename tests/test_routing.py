@@ -33,12 +33,13 @@ def test_overloaded_preferred_replica_yields_to_the_least_loaded():
     assert rank(key, [ReplicaLoad("a", 0.1), ReplicaLoad("b", 0.9)], 0.25)[0] == "a"  # over it
 
 
-def test_replicas_without_stats_are_ranked_last_and_logged(caplog):
+def test_replicas_without_stats_keep_affinity_but_are_never_the_least_loaded(caplog):
     with caplog.at_level(logging.INFO):
-        ranked = rank("k", [ReplicaLoad("new", None), ReplicaLoad("old", 0.5)], 0.25)
-    assert ranked == ["old", "new"]
+        assert rank(None, [ReplicaLoad("new", None), ReplicaLoad("old", 0.5)], 0.25) == ["old", "new"]
     assert "no engine stats" in caplog.text
-    assert rank("k", [ReplicaLoad("x", None), ReplicaLoad("y", None)], 0.25) == ["x", "y"]
+    both_unknown = [ReplicaLoad("x", None), ReplicaLoad("y", None)]
+    firsts = {rank(f"k{i}", both_unknown, 0.25)[0] for i in range(40)}
+    assert firsts == {"x", "y"}, "affinity still spreads keys when no replica reports yet"
 
 
 def test_affinity_key_prefers_session_then_prompt_prefix():

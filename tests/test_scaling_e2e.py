@@ -182,7 +182,7 @@ async def test_turns_of_a_session_stay_on_one_replica(two_replica_app):
     placement: dict[str, set[str]] = {}
     for turn in range(4):
         results = await asyncio.gather(
-            *(client.generate([RolloutRequest(prompt=f"turn {turn} of episode {s}", session_id=f"episode-{s}", sampling=SamplingConfig(max_tokens=4))]) for s in range(8))
+            *(client.generate([RolloutRequest(prompt=f"turn {turn} of episode {s}", session_id=f"episode-{s}", sampling=SamplingConfig(max_tokens=4))]) for s in range(16))
         )
         for s, (r,) in enumerate(results):
             placement.setdefault(f"episode-{s}", set()).add(r.replica_id)

@@ -41,8 +41,8 @@ def save_policy(model, model_dir, out_dir):
     return out_dir
 
 
-def greedy(ids, n_tokens):
-    return RolloutRequest(prompt_token_ids=ids, sampling=SamplingConfig(max_tokens=n_tokens, temperature=0.0, ignore_eos=True))
+def greedy(ids, n_tokens, session_id=None):
+    return RolloutRequest(prompt_token_ids=ids, session_id=session_id, sampling=SamplingConfig(max_tokens=n_tokens, temperature=0.0, ignore_eos=True))
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ from rollout.sync.backends.gloo_group import GlooGroup
 from rollout.sync.publisher import _free_port, _own_address
 from rollout.sync.wire import ParamSpec, pack, plan_buckets
 
-ray.init(address="auto", namespace="rollout-tests")
+ray.init(address="auto", namespace="rollout-tests", log_to_driver=False)
 coord = serve.get_deployment_handle(COORDINATOR_NAME, app_name=sys.argv[2])
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 tensors = dict(model.named_parameters())
@@ -226,23 +226,34 @@ async def test_a_replica_added_later_serves_the_committed_version_before_its_fir
 ):
     from rollout.app import deploy
 
-    committed = (await asyncio.to_thread(publisher.status))["committed_version"]
-    assert committed >= 1
-    scaled = platform.model_copy(update={"deployment": platform.deployment.model_copy(update={"replicas": 2})})
-    await asyncio.to_thread(deploy, scaled)
+    def scaled(n):
+        return platform.model_copy(update={"deployment": platform.deployment.model_copy(update={"replicas": n})})
+
+    # Two replicas hold the committed version; the trainer publishes to both...
+    await asyncio.to_thread(deploy, scaled(2))
+    version = await asyncio.to_thread(publisher.publish, policy_v1[0].named_parameters())
     status = await asyncio.to_thread(publisher.status)
-    assert len(status["replicas"]) == 2
-    assert all(r["version"] == committed for r in status["replicas"].values()), status
+    assert len(status["replicas"]) == 2 and all(r["version"] == version for r in status["replicas"].values()), status
+    rounds_before = len(status["recent_rounds"])
+    # ...then a third is added by changing the deployment: it catches up from the
+    # coordinator's copy before Serve routes anything to it; the trainer sends nothing.
+    await asyncio.to_thread(deploy, scaled(3))
+    status = await asyncio.to_thread(publisher.status)
+    assert len(status["replicas"]) == 3
+    assert all(r["version"] == version for r in status["replicas"].values()), status
+    new_rounds = status["recent_rounds"][rounds_before:]
+    assert new_rounds and all(r["round_id"].startswith("restore-") for r in new_rounds), new_rounds
     # Separate calls so the router spreads them; every replica must answer like v1.
     expected = ray.get(reference_v1.greedy.remote(PROMPTS, 16, ignore_eos=True))
     seen = set()
-    for _ in range(6):
-        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16)]) for p in PROMPTS))
+    for k in range(8):
+        # Distinct sessions, so the affinity router spreads the calls over every replica.
+        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"s{k}-{i}")]) for i, p in enumerate(PROMPTS)))
         for (r,), want in zip(results, expected):
             assert r.samples[0].token_ids == want
-            assert r.samples[0].weight_versions[0].version == str(committed)
+            assert r.samples[0].weight_versions[0].version == str(version)
             seen.add(r.replica_id)
-    assert len(seen) == 2, f"requests reached only {seen}"
+    assert len(seen) == 3, f"requests reached only {seen}"
 
 
 async def test_a_rank_that_never_joins_ends_the_round_within_the_deadline_and_it_drops_out(
@@ -294,7 +305,8 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
 
     status = await asyncio.to_thread(publisher.status)
     committed = status["committed_version"]
-    assert len(status["replicas"]) == 2, "runs after the scale-up test"
+    replicas = len(status["replicas"])
+    assert replicas >= 2, "runs after the scale-up test"
     victim_id = sorted(status["replicas"])[0]
     victim = next(
         a for a in ray.util.list_named_actors(all_namespaces=True)
@@ -306,8 +318,12 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
     script.write_text(TRAINER_THAT_WAITS)
     proc = subprocess.Popen([sys.executable, str(script), str(policy_dir), platform.app_name, str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = await asyncio.to_thread(proc.stdout.readline)
-        assert "SENT HALF" in line, proc.stderr.read()[-2000:]
+        while True:
+            line = await asyncio.to_thread(proc.stdout.readline)
+            if not line:  # the script ended without sending half
+                raise AssertionError(proc.stderr.read()[-2000:])
+            if "SENT HALF" in line:
+                break
         ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
         go.write_text("go")
         await asyncio.to_thread(proc.wait, 300)
@@ -317,19 +333,19 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
     assert not outcome["committed"]
     expected = ray.get(reference_v1.greedy.remote(PROMPTS, 16, ignore_eos=True))
 
-    async def two_replicas_on_committed():
+    async def all_replicas_on_committed():
         s = await asyncio.to_thread(publisher.status)
-        return len(s["replicas"]) == 2 and victim_id not in s["replicas"] and all(r["version"] == committed for r in s["replicas"].values())
+        return len(s["replicas"]) == replicas and victim_id not in s["replicas"] and all(r["version"] == committed for r in s["replicas"].values())
 
     from tests.conftest import wait_until
 
-    await wait_until(two_replicas_on_committed, timeout_s=300, interval_s=2)
+    await wait_until(all_replicas_on_committed, timeout_s=300, interval_s=2)
     seen = set()
-    for _ in range(6):
-        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16)]) for p in PROMPTS))
+    for k in range(8):
+        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"s{k}-{i}")]) for i, p in enumerate(PROMPTS)))
         for (r,), want in zip(results, expected):
             assert [s.version for s in r.samples[0].weight_versions] == [str(committed)]
             assert r.samples[0].token_ids == want
             seen.add(r.replica_id)
-    assert len(seen) == 2
+    assert len(seen) == replicas
     assert await asyncio.to_thread(publisher.publish, model.named_parameters()) == committed + 1

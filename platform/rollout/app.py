@@ -72,6 +72,17 @@ def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any
     return opts
 
 
+def replica_args(cfg: PlatformConfig) -> dict[str, Any]:
+    """The config every replica is constructed with, minus the replica count.
+
+    Serve restarts a deployment's replicas when their constructor arguments change;
+    scaling (a new `replicas` or autoscaling bound) must add or remove replicas, not
+    restart the ones serving, nor the coordinator holding the committed weights.
+    """
+    fixed = cfg.deployment.model_copy(update={"replicas": 1, "autoscaling": None})
+    return cfg.model_copy(update={"deployment": fixed}).model_dump(mode="json")
+
+
 def sync_backend(cfg: PlatformConfig, device: str) -> str:
     if cfg.sync.backend != "auto":
         return cfg.sync.backend
@@ -84,7 +95,7 @@ def build_application(cfg: PlatformConfig) -> Application:
 
     device = resolve_device(cfg.model)
     logger.info("building app %r on %s: %s", cfg.app_name, device, cfg.model.path)
-    config = cfg.model_dump(mode="json")
+    config = replica_args(cfg)
     coordinator, backend = None, None
     if cfg.sync.enabled:
         from rollout.sync.coordinator import COORDINATOR_NAME, WeightSyncCoordinator

@@ -42,8 +42,6 @@ class EngineMetrics:
         self.prefix_queries = m.Counter("rollout_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", tag_keys=tags)
         self.prefix_hits = m.Counter("rollout_prefix_cache_hits", "Prompt tokens found in the prefix cache.", tag_keys=tags)
         self.version = m.Gauge("rollout_replica_weight_version", "Policy version the replica serves.", tag_keys=tags)
-        for g in (self.running, self.waiting, self.kv_usage, self.version):
-            g.set(0, tags=self._tags)
 
     def request(self, outcome: str, n: int = 1) -> None:
         if outcome not in REQUEST_OUTCOMES:
@@ -59,16 +57,18 @@ class EngineMetrics:
             self.generated.inc(generated_tokens, tags=self._tags)
         self.latency.observe(latency_s, tags=self._tags)
 
-    def scheduler(self, running: int, waiting: int, kv_usage: float, prefix_queries: int, prefix_hits: int) -> None:
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        if queries:
+            self.prefix_queries.inc(queries, tags=self._tags)
+        if hits:
+            self.prefix_hits.inc(hits, tags=self._tags)
+
+    def gauges(self, running: int, waiting: int, kv_usage: float, version: int) -> None:
+        """Called on a fixed period, not per engine step: Ray ages out gauge series
+        that are not re-reported, so an idle engine must keep reporting its zeros."""
         self.running.set(running, tags=self._tags)
         self.waiting.set(waiting, tags=self._tags)
         self.kv_usage.set(kv_usage, tags=self._tags)
-        if prefix_queries:
-            self.prefix_queries.inc(prefix_queries, tags=self._tags)
-        if prefix_hits:
-            self.prefix_hits.inc(prefix_hits, tags=self._tags)
-
-    def weight_version(self, version: int) -> None:
         self.version.set(version, tags=self._tags)
 
 

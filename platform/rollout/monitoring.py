@@ -56,7 +56,8 @@ PANELS = (
     Panel(
         "Prefix-cache hit rate",
         "percentunit",
-        (("hit rate", f"sum(rate(ray_rollout_prefix_cache_hits_total{{{ENGINE}}}[5m])) / sum(rate(ray_rollout_prefix_cache_queries_total{{{ENGINE}}}[5m]))"),),
+        # No hit yet means no hits series (Ray counters start at their first increment).
+        (("hit rate", f"(sum(rate(ray_rollout_prefix_cache_hits_total{{{ENGINE}}}[5m])) or on() vector(0)) / sum(rate(ray_rollout_prefix_cache_queries_total{{{ENGINE}}}[5m]))"),),
     ),
     Panel("Weight version", "none", (("committed", "max(ray_rollout_committed_weight_version)"), ("{{replica}}", f"max by (replica) (ray_rollout_replica_weight_version{{{ENGINE}}})"))),
     Panel("Weight version lag", "none", (("{{replica}}", "max by (replica) (ray_rollout_weight_version_lag)"),)),

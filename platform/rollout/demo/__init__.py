@@ -24,6 +24,33 @@ from rollout.stats_summary import percentiles
 TARGET_TEXT = " reward"
 
 
+class _KvSampler:
+    """Peak KV-cache usage of the engine while a step's rollouts run (a background thread)."""
+
+    def __init__(self, client, peak: list[float], period_s: float = 0.2):
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(client, peak, period_s), daemon=True)
+        self._thread.start()
+
+    def _run(self, client, peak: list[float], period_s: float) -> None:
+        import asyncio
+
+        loop = asyncio.new_event_loop()  # one loop, so the client reuses one handle
+        try:
+            while not self._stop.is_set():
+                stats = loop.run_until_complete(client.stats())
+                peak[0] = max(peak[0], stats.kv_cache_usage)
+                self._stop.wait(period_s)
+        finally:
+            loop.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _prompts(n: int, rng: random.Random) -> list[str]:
     words = "the policy model answer question value action state group replica weight update".split()
     return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 8))) for _ in range(n)]
@@ -66,7 +93,10 @@ def run_demo(model_dir: Path, steps: int = 30, prompts_per_step: int = 8, n: int
                 for p in _prompts(prompts_per_step, rng)
             ]
             t0 = time.perf_counter()
+            peak_kv = [0.0]
+            sampler = _KvSampler(client, peak_kv)
             results = client.generate_sync(requests)
+            sampler.stop()
             wall = time.perf_counter() - t0
             latencies.append(wall)
             tokens = sum(len(s.token_ids) for r in results for s in r.samples)
@@ -80,7 +110,8 @@ def run_demo(model_dir: Path, steps: int = 30, prompts_per_step: int = 8, n: int
             version = publisher.publish(model.named_parameters())
             sync_ms = (time.perf_counter() - t1) * 1000
             mean_reward = sum(map(sum, rewards)) / sum(map(len, rewards))
-            row = {"step": step, "reward": mean_reward, "loss": loss, "version": version, "tokens_per_s": tokens / wall, "sync_ms": sync_ms}
+            kv_usage = peak_kv[0]
+            row = {"step": step, "reward": mean_reward, "loss": loss, "version": version, "tokens_per_s": tokens / wall, "sync_ms": sync_ms, "kv_cache_usage": kv_usage}
             history.append(row)
             bar.write(f"step {step:3d}  reward {mean_reward:.3f}  version {version:3d}  {tokens / wall:7.0f} tok/s  sync {sync_ms:6.1f} ms  loss {loss:+.4f}")
         bar.close()

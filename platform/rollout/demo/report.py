@@ -13,12 +13,14 @@ def write_report(path: Path, steps: Sequence[dict]) -> Path:
     import matplotlib.pyplot as plt
 
     x = [s["step"] for s in steps]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     panels = [
         ("reward", "mean reward (target-token rate)"),
         ("tokens_per_s", "rollout tokens/s"),
+        ("kv_cache_usage", "peak KV-cache usage (0-1)"),
         ("sync_ms", "publish to committed (ms)"),
         ("version", "committed policy version"),
+        ("loss", "policy-gradient loss"),
     ]
     for ax, (key, title) in zip(axes.flat, panels):
         ax.plot(x, [s[key] for s in steps], marker="o", markersize=3)

@@ -79,10 +79,11 @@ class RolloutEngine:
             from rollout.sync.agent import SyncAgent
 
             ranks = self.config.model.tensor_parallel_size
-            self.sync = SyncAgent(self.engine, coordinator, self.replica_id, ranks, self.config.model.path, self.metrics)
+            self.sync = SyncAgent(self.engine, coordinator, self.replica_id, ranks, self.config.model.path)
             # Registration (and catch-up) happen before __init__ returns, so Serve
             # routes no request here until this replica holds the committed version.
             await self.sync.start()
+        self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges()) if self.metrics is not None else None
         logger.info("replica %s ready: %s, limits %s", self.replica_id, self.config.model.path, self.limits)
 
     @staticmethod
@@ -248,11 +249,22 @@ class RolloutEngine:
             updated_at=s.last_step_wall,
         )
 
-    def _engine_sequences(self) -> int:
+    async def _report_gauges(self, period_s: float = 1.0) -> None:
+        while True:
+            running, waiting = self._queue()
+            version = self.sync.version if self.sync is not None else 0
+            self.metrics.gauges(running, waiting, self.snapshot.kv_cache_usage, version)
+            await asyncio.sleep(period_s)
+
+    def _queue(self) -> tuple[int, int]:
+        """(running, waiting) sequences in the engine."""
         s = self.snapshot
         if self.inflight == 0 and s.seconds_since_step() > 2.0:
-            return 0  # idle: the last scheduler report may predate the final step
-        return s.running + s.waiting
+            return 0, 0  # idle: the last scheduler report may predate the final step
+        return s.running, s.waiting
+
+    def _engine_sequences(self) -> int:
+        return sum(self._queue())
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for request routers (``deployment.routing.stats_period_s``)."""
@@ -298,6 +310,9 @@ class RolloutEngine:
             )
 
     def __del__(self):
+        task = getattr(self, "_gauges_task", None)
+        if task is not None:
+            task.cancel()
         sync = getattr(self, "sync", None)
         if sync is not None:
             sync.stop()

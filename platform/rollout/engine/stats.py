@@ -52,7 +52,7 @@ class SchedulerSnapshot:
             self.last_step_monotonic = time.monotonic()
             self.last_step_wall = time.time()
         if self.metrics is not None:
-            self.metrics.scheduler(self.running, self.waiting, self.kv_cache_usage, queries, hits)
+            self.metrics.prefix_cache(queries, hits)
 
     def seconds_since_step(self) -> float:
         return time.monotonic() - self.last_step_monotonic

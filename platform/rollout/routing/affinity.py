@@ -8,8 +8,8 @@ than ``max_imbalance`` above the least-loaded one, the request goes to the least
 replica instead: a cache hit is not worth a queue.
 
 Loads are ``(running + waiting) / max_num_seqs`` from each replica's own engine stats.
-A replica without stats is *unknown*: never preferred by load, logged, and used only
-when no replica has stats.
+A replica without stats has an *unknown* load (logged): it keeps its affinity keys, is
+never taken for the least-loaded one, and is ranked after the replicas that report.
 """
 
 from __future__ import annotations
@@ -57,13 +57,15 @@ def rank(key: Optional[str], replicas: Sequence[ReplicaLoad], max_imbalance: flo
     if not replicas:
         return []
     known = sorted((r for r in replicas if r.load is not None), key=lambda r: (r.load, r.replica_id))
-    unknown = [r for r in replicas if r.load is None]
+    unknown = sorted((r for r in replicas if r.load is None), key=lambda r: r.replica_id)
     if unknown:
-        logger.info("no engine stats yet from %s; ranked after replicas that report", [r.replica_id for r in unknown])
-    by_load = [r.replica_id for r in known] + sorted(r.replica_id for r in unknown)
-    if key is None or not known:
+        logger.info("no engine stats from %s: their load counts as unknown", [r.replica_id for r in unknown])
+    by_load = [r.replica_id for r in known] + [r.replica_id for r in unknown]
+    if key is None:
         return by_load
-    preferred = max(known, key=lambda r: _score(key, r.replica_id))
-    if preferred.load - known[0].load > max_imbalance:
-        return by_load  # the preferred replica is overloaded: least loaded first
+    preferred = max(replicas, key=lambda r: _score(key, r.replica_id))
+    # Affinity yields only to evidence: a known load above the least-loaded replica's
+    # by more than max_imbalance. An unknown load is no evidence of overload.
+    if preferred.load is not None and known and preferred.load - known[0].load > max_imbalance:
+        return by_load
     return [preferred.replica_id] + [rid for rid in by_load if rid != preferred.replica_id]

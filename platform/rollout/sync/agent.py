@@ -33,14 +33,13 @@ def version_of(label: str) -> int:
 
 
 class SyncAgent:
-    def __init__(self, engine: Any, coordinator: Any, replica_id: str, ranks: int, model_path: str, metrics: Any = None):
+    def __init__(self, engine: Any, coordinator: Any, replica_id: str, ranks: int, model_path: str):
         self.engine = engine
         self.coordinator = coordinator
         self.replica_id = replica_id
         self.ranks = ranks
         self.params = checkpoint_spec(model_path)
         self._version = 0
-        self.metrics = metrics
         self.broken: Optional[str] = None
         self._task: Optional[asyncio.Task] = None
 
@@ -51,8 +50,6 @@ class SyncAgent:
     @version.setter
     def version(self, value: int) -> None:
         self._version = value
-        if self.metrics is not None:
-            self.metrics.weight_version(value)
 
     async def start(self) -> None:
         self.version = version_of(await self.engine.get_weight_version())

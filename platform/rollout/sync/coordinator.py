@@ -274,6 +274,13 @@ class WeightSyncCoordinator:
         r = self.replicas.get(replica_id)
         if r is None:
             raise SyncError(f"replica {replica_id} is not registered")
+        if self.keeper.version != self.committed_version:
+            # E.g. this coordinator restarted: it knows the committed version from the
+            # replicas but holds no copy of those weights until the next publish.
+            raise SyncError(
+                f"cannot restore {replica_id}: the coordinator's copy holds version {self.keeper.version}, "
+                f"the committed version is {self.committed_version}; the next publish refreshes it"
+            )
         await self._acquire_round()
         try:
             from rollout.sync.publisher import _free_port, _own_address

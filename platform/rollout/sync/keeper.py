@@ -29,7 +29,10 @@ class WeightKeeper:
     def __init__(self, model_path: str):
         self.model_path = model_path
         self._committed: Optional[dict[str, torch.Tensor]] = None
-        self._staging: Optional[dict[str, torch.Tensor]] = None
+        self._staging: Optional[tuple[int, dict[str, torch.Tensor]]] = None
+        # The version the copy holds: 0 is the checkpoint on disk. A restarted
+        # coordinator starts here again and must not pass these off as a later version.
+        self.version = 0
 
     # ---- receiving (a rank of every publish round) ----------------------------------
 
@@ -47,11 +50,12 @@ class WeightKeeper:
                 staged.update(unpack(buffer, bucket_specs))
         finally:
             group.close()
-        self._staging = staged
+        self._staging = (plan.version, staged)
 
     def commit(self) -> None:
         if self._staging is not None:
-            self._committed, self._staging = self._staging, None
+            self.version, self._committed = self._staging
+            self._staging = None
 
     def discard(self) -> None:
         self._staging = None

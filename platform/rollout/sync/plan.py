@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from rollout.sync.wire import ParamSpec
 
 PauseMode = Literal["keep", "wait", "abort"]
+NCCL_BUFFERS = 2  # double buffering, vLLM's default for packed NCCL transfers
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,19 @@ class RoundPlan:
         raise KeyError(f"replica {replica_id} is not in round {self.round_id}")
 
     def init_info(self, replica_id: str) -> dict:
-        """The worker-side init info for vLLM's ``init_weight_transfer_engine``."""
-        return dict(
+        """The worker-side init info for vLLM's ``init_weight_transfer_engine``, in the
+        shape the round's backend expects (ours for gloo, vLLM's own for nccl)."""
+        common = dict(
             master_address=self.master_address,
             master_port=self.master_port,
             rank_offset=self.member(replica_id).rank_offset,
             world_size=self.world_size,
-            group_name=self.round_id,
-            timeout_s=self.timeout_s,
-            bucket_bytes=self.bucket_bytes,
         )
+        if self.backend == "gloo":
+            return {**common, "group_name": self.round_id, "timeout_s": self.timeout_s, "bucket_bytes": self.bucket_bytes}
+        if self.backend == "nccl":
+            return {**common, "packed": True, "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": NCCL_BUFFERS}
+        raise ValueError(f"backend: no init info for {self.backend!r}")
 
     def update_info(self) -> dict:
         return dict(

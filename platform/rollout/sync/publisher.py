@@ -49,6 +49,32 @@ def _own_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def _send_with_deadline(sender, plan, tensors) -> Optional[str]:
+    """Run the transfer with the round's deadline; the error text, or None on success.
+
+    A transport blocked on a peer that went away must not hang the trainer: after the
+    deadline the round is reported failed and the sending thread is abandoned (it ends
+    when the transport notices the closed peers).
+    """
+    import threading
+
+    outcome: dict[str, Optional[str]] = {}
+
+    def run() -> None:
+        try:
+            sender.send(plan, tensors)
+            outcome["error"] = None
+        except Exception as e:
+            outcome["error"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=run, name=f"send-{plan.round_id}", daemon=True)
+    thread.start()
+    thread.join(timeout=2 * plan.timeout_s)
+    if thread.is_alive():
+        return f"transfer did not finish within {2 * plan.timeout_s:.0f}s"
+    return outcome["error"]
+
+
 class WeightPublisher:
     def __init__(self, coordinator: CoordinatorClient, backend: str, token: Optional[str]):
         self._coordinator = coordinator
@@ -95,12 +121,8 @@ class WeightPublisher:
         if self.backend not in ("auto", plan.backend):
             self._coordinator.finish(plan.round_id, f"publisher backend {self.backend!r} != platform backend {plan.backend!r}")
             raise SyncError(f"backend: the platform syncs over {plan.backend!r}, not {self.backend!r}")
-        error = None
-        try:
-            sender = make_sender(plan.backend)
-            sender.send(plan, [tensors[p.name] for p in plan.params])
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
+        error = _send_with_deadline(make_sender(plan.backend), plan, [tensors[p.name] for p in plan.params])
+        if error:
             logger.error("sending %s failed: %s", plan.round_id, error)
         outcome = self._coordinator.finish(plan.round_id, error)
         if not outcome.committed:

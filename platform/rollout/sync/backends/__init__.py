@@ -1,7 +1,7 @@
 """Trainer-side senders, one module per transport, picked by name.
 
 The receiving side of each transport is a vLLM weight-transfer engine (vLLM's own
-``nccl``/``ipc``, our ``gloo`` in :mod:`rollout.sync.backends.gloo_worker`).
+``nccl``, our ``gloo`` in :mod:`rollout.sync.backends.gloo_worker`).
 """
 
 from __future__ import annotations
@@ -23,4 +23,8 @@ def make_sender(backend: str) -> Sender:
         from rollout.sync.backends.gloo_sender import GlooSender
 
         return GlooSender()
-    raise ValueError(f"backend: no trainer-side sender for {backend!r} in this build (available: 'gloo')")
+    if backend == "nccl":
+        from rollout.sync.backends.nccl_sender import NcclSender
+
+        return NcclSender()
+    raise ValueError(f"backend: no trainer-side sender for {backend!r} (available: 'gloo', 'nccl')")

@@ -90,6 +90,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             # overwrites every tensor).
             self.finish_weight_update()
             raise
+        finally:
+            # One group per round: closing it now also closes our sockets, so a sender
+            # still writing to us gets an error instead of blocking forever.
+            self.shutdown()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:

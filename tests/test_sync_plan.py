@@ -1,0 +1,55 @@
+"""Round plans speak each backend's own init-info dialect; wire plans agree on both sides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout.sync.backends import make_sender
+from rollout.sync.plan import RoundPlan, assign_ranks
+from rollout.sync.wire import ParamSpec, bucket_bytes_of, pack, plan_buckets, unpack
+
+
+def plan(backend: str) -> RoundPlan:
+    members, world = assign_ranks({"b": 2, "a": 1})
+    return RoundPlan("round-1-x", 1, backend, "10.0.0.1", 29500, world, members, (ParamSpec("w", "float32", (2, 3)),), 1 << 20, "keep", 30.0)
+
+
+def test_ranks_are_contiguous_blocks_after_the_trainer_and_account_for_tensor_parallelism():
+    members, world = assign_ranks({"b": 2, "a": 1, "c": 4})
+    assert [(m.replica_id, m.rank_offset) for m in members] == [("a", 1), ("b", 2), ("c", 4)]
+    assert world == 8
+
+
+def test_nccl_plans_produce_vllms_own_worker_init_info():
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    info = NCCLWeightTransferInitInfo(**plan("nccl").init_info("b"))
+    assert (info.rank_offset, info.world_size, info.packed) == (2, 4, True)
+    assert info.packed_buffer_size_bytes == 1 << 20
+
+
+def test_gloo_plans_produce_our_worker_init_info():
+    from rollout.sync.backends.gloo_worker import GlooInitInfo
+
+    info = GlooInitInfo(**plan("gloo").init_info("a"))
+    assert (info.rank_offset, info.world_size, info.group_name) == (1, 4, "round-1-x")
+
+
+def test_unknown_backends_are_rejected_by_name():
+    with pytest.raises(ValueError, match="backend"):
+        make_sender("carrier-pigeon")
+    assert type(make_sender("nccl")).__name__ == "NcclSender"
+
+
+def test_packed_buckets_round_trip_every_tensor():
+    tensors = {f"t{i}": torch.randn(i + 1, 7).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(9)}
+    specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
+    buckets = plan_buckets(specs, 64)
+    assert [i for b in buckets for i in b] == list(range(len(specs)))
+    for b in buckets:
+        bs = [specs[i] for i in b]
+        buf = pack(tensors[s.name] for s in bs)
+        assert buf.numel() == bucket_bytes_of(bs)
+        for name, t in unpack(buf, bs):
+            assert torch.equal(t, tensors[name])
