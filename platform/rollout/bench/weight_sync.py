@@ -32,7 +32,7 @@ from rollout.sync.backends.gloo_group import GlooGroup
 from rollout.sync.publisher import _free_port, _own_address
 from rollout.sync.wire import ParamSpec
 
-REPEATS = 5
+REPEATS = 3
 
 
 @ray.remote(num_cpus=0)
