@@ -6,6 +6,7 @@ Runs after the other e2e modules (it changes the shared app's weights).
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 
 import pytest
@@ -169,7 +170,7 @@ from rollout.sync.backends.gloo_group import GlooGroup
 from rollout.sync.publisher import _free_port, _own_address
 from rollout.sync.wire import ParamSpec, pack, plan_buckets
 
-ray.init(address="auto", namespace="rollout-tests", log_to_driver=False)
+ray.init(address=os.environ["RAY_ADDRESS"], namespace="rollout-tests", log_to_driver=False)
 coord = serve.get_deployment_handle(COORDINATOR_NAME, app_name=sys.argv[2])
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 tensors = dict(model.named_parameters())
@@ -199,7 +200,7 @@ async def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_last_com
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER_THAT_DIES)
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, str(script), str(policy_dir), platform.app_name], capture_output=True, text=True, timeout=300
+        subprocess.run, [sys.executable, str(script), str(policy_dir), platform.app_name], capture_output=True, text=True, timeout=300, env=_cluster_env()
     )
     assert "SENT HALF" in proc.stdout, proc.stderr[-2000:]
     outcome = await _wait_for_outcome(publisher, committed)
@@ -208,6 +209,12 @@ async def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_last_com
     assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in before]
     assert all(r.samples[0].weight_versions[0].version == str(committed) for r in after)
     assert await asyncio.to_thread(publisher.publish, policy_v1[0].named_parameters()) == committed + 1
+
+
+def _cluster_env() -> dict:
+    """The environment for a trainer process joining this test's Ray cluster (by its
+    exact address: other clusters may run on the machine)."""
+    return {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
 async def _wait_for_outcome(publisher, committed):
@@ -316,7 +323,9 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
     policy_dir = save_policy(model, model_dir, tmp_path / "policy-v4")
     script, go = tmp_path / "trainer.py", tmp_path / "go"
     script.write_text(TRAINER_THAT_WAITS)
-    proc = subprocess.Popen([sys.executable, str(script), str(policy_dir), platform.app_name, str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(policy_dir), platform.app_name, str(go)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cluster_env()
+    )
     try:
         while True:
             line = await asyncio.to_thread(proc.stdout.readline)
