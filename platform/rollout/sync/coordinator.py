@@ -260,6 +260,9 @@ class WeightSyncCoordinator:
             await asyncio.to_thread(self.keeper.receive, rnd.plan, rank)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
+        if rnd.decided.is_set():
+            self.keeper.discard(rnd.plan.round_id)  # decided without us (aborted)
+            return
         rnd.reports[KEEPER] = error
         self._maybe_decide(rnd)
 
@@ -343,9 +346,9 @@ class WeightSyncCoordinator:
             self.committed_version = rnd.plan.version
         if self.keeper is not None and not rnd.plan.restore:
             if committed:
-                self.keeper.commit()
+                self.keeper.commit(rnd.plan.round_id)
             else:
-                self.keeper.discard()
+                self.keeper.discard(rnd.plan.round_id)
         rnd.outcome = RoundOutcome(rnd.plan.round_id, committed, self.committed_version, error or "", failed)
         self.last_outcome = rnd.outcome
         self.history.append(rnd.outcome)
@@ -408,4 +411,5 @@ class WeightSyncCoordinator:
             "round_in_progress": self.round.plan.round_id if self.round and not self.round.decided.is_set() else None,
             "last_outcome": vars(self.last_outcome) if self.last_outcome else None,
             "recent_rounds": [vars(o) for o in self.history],
+            "weight_copy_version": self.keeper.version if self.keeper is not None else None,
         }

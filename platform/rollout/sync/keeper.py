@@ -29,7 +29,9 @@ class WeightKeeper:
     def __init__(self, model_path: str):
         self.model_path = model_path
         self._committed: Optional[dict[str, torch.Tensor]] = None
-        self._staging: Optional[tuple[int, dict[str, torch.Tensor]]] = None
+        # Staged copies by round: a late receive of an aborted round can never be
+        # committed as another round's weights.
+        self._staging: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         # The version the copy holds: 0 is the checkpoint on disk. A restarted
         # coordinator starts here again and must not pass these off as a later version.
         self.version = 0
@@ -50,20 +52,27 @@ class WeightKeeper:
                 staged.update(unpack(buffer, bucket_specs))
         finally:
             group.close()
-        self._staging = (plan.version, staged)
+        self._staging[plan.round_id] = (plan.version, staged)
 
-    def commit(self) -> None:
-        if self._staging is not None:
-            self.version, self._committed = self._staging
-            self._staging = None
+    def commit(self, round_id: str) -> None:
+        staged = self._staging.pop(round_id, None)
+        if staged is None:
+            # Never hand out weights we cannot vouch for: no restore until the next publish.
+            logger.error("keeper: round %s committed without a staged copy; holding no valid copy", round_id)
+            self.version, self._committed = -1, None
+            return
+        self.version, self._committed = staged
+        logger.info("keeper holds version %d", self.version)
 
-    def discard(self) -> None:
-        self._staging = None
+    def discard(self, round_id: str) -> None:
+        self._staging.pop(round_id, None)
 
     # ---- sending (restore rounds) ------------------------------------------------------
 
     def committed(self, params: Sequence[ParamSpec]) -> list[torch.Tensor]:
         if self._committed is None:
+            if self.version != 0:
+                raise RuntimeError(f"keeper holds no copy of version {self.version}")
             self._committed = self._load_checkpoint()
         return [self._committed[p.name] for p in params]
 
