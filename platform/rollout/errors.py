@@ -55,9 +55,11 @@ def from_validation_error(err: ValidationError, prefix: str = "") -> InvalidRequ
     """The first problem of a pydantic ``ValidationError`` as an ``InvalidRequestError``."""
     first = err.errors()[0]
     field = loc_to_field(first.get("loc", ()))
-    if prefix:
-        field = f"{prefix}.{field}" if field and not field.startswith("[") else f"{prefix}{field}"
-    return InvalidRequestError(field or prefix or "request", first.get("msg", str(err)))
+    message = first.get("msg", str(err))
+    if not field:
+        return InvalidRequestError(prefix or "request", message)
+    error = InvalidRequestError(field, message)
+    return error.at(prefix) if prefix else error
 
 
 def unwrap_remote(err: BaseException) -> BaseException:
