@@ -107,3 +107,27 @@ def test_every_config_field_is_documented():
 
     missing = [f"{m}.{n}" for m, n, f in walk(PlatformConfig) if not f.description and n not in {"model", "deployment", "limits", "http", "metrics", "sync", "routing"}]
     assert not missing, missing
+
+
+def _deployment_versions(cfg: PlatformConfig) -> dict[str, str]:
+    from rollout.app import build_application
+
+    app = build_application(cfg)
+    seen, stack = {}, [app._bound_deployment]
+    while stack:  # the ingress, then what it was bound with
+        d = stack.pop()
+        seen[d.name] = d.version
+        stack += [a._bound_deployment for a in d._replica_config.init_args if hasattr(a, "_bound_deployment")]
+    return seen
+
+
+def test_changing_replica_count_autoscaling_or_router_keeps_every_deployment_version_so_serve_does_not_restart_replicas():
+    base = PlatformConfig.model_validate({"model": {"path": "/m"}})
+    scaled = PlatformConfig.model_validate({"model": {"path": "/m"}, "deployment": {"replicas": 3}})
+    autoscaled = PlatformConfig.model_validate({"model": {"path": "/m"}, "deployment": {"autoscaling": {"min_replicas": 0, "max_replicas": 4}}})
+    rerouted = PlatformConfig.model_validate({"model": {"path": "/m"}, "deployment": {"routing": {"policy": "default"}, "health_check_period_s": 2}})
+    versions = _deployment_versions(base)
+    assert set(versions) == {"RolloutIngress", "RolloutEngine", "WeightSyncCoordinator"} and all(versions.values())
+    assert _deployment_versions(scaled) == versions == _deployment_versions(autoscaled) == _deployment_versions(rerouted)
+    changed = _deployment_versions(PlatformConfig.model_validate({"model": {"path": "/m", "max_model_len": 1024}}))
+    assert all(changed[name] != versions[name] for name in versions), "a new engine config restarts the replicas"

@@ -21,7 +21,7 @@ pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not insta
 pytest.importorskip("jsonschema", reason="jsonschema not installed (test extra)")
 
 from tests import manifest_checks as kube  # noqa: E402
-from rollout.app import config_from_args  # noqa: E402
+from rollout.app import config_from_serve_app  # noqa: E402
 from rollout.helm_schema import SCHEMA_PATH, render_schema  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def test_serve_config_parses_back_into_platform_config(case):
     name, values, objs = case
     app = kube.serve_app(rayservice(objs))
     assert app["import_path"] == "rollout.app:build"
-    cfg = config_from_args(app["args"])
+    cfg = config_from_serve_app(app)
     want = merged(values)["platform"]
     assert app["name"] == cfg.app_name == want["app_name"]
     assert cfg.model.path == want["model"]["path"]
@@ -189,6 +189,17 @@ def test_serve_config_parses_back_into_platform_config(case):
         assert node == v, (name, path)
     serve = yaml.safe_load(rayservice(objs)["spec"]["serveConfigV2"])
     assert serve["http_options"]["port"] == cfg.http.port
+
+
+def test_replica_count_is_a_deployment_override_so_scaling_keeps_the_args():
+    """Serve's code version is import_path + args: equal args mean `helm upgrade` only scales."""
+    one, three = (kube.serve_app(rayservice(render({"platform": {"deployment": {"replicas": n}}}))) for n in (1, 3))
+    assert one["args"] == three["args"] and "replicas" not in one["args"].get("deployment", {})
+    assert three["deployments"] == [{"name": "RolloutEngine", "num_replicas": 3}]
+    assert config_from_serve_app(three).deployment.replicas == 3
+    # Autoscaling stays in args; Serve rejects num_replicas next to an autoscaling_config.
+    auto = kube.serve_app(rayservice(render(MATRIX["tp2-autoscale"])))
+    assert "deployments" not in auto and auto["args"]["deployment"] == MATRIX["tp2-autoscale"]["platform"]["deployment"]
 
 
 def test_secrets_by_reference_only(case):
@@ -217,7 +228,7 @@ def test_gpus_replicas_and_autoscaler(case):
     name, values, objs = case
     rs = rayservice(objs)
     cluster = rs["spec"]["rayClusterConfig"]
-    cfg = config_from_args(kube.serve_app(rs)["args"])
+    cfg = config_from_serve_app(kube.serve_app(rs))
     head = cluster["headGroupSpec"]
     worker = worker_group(objs)
     head_res = head["template"]["spec"]["containers"][0]["resources"]
@@ -291,7 +302,7 @@ def test_probes_security_and_scheduling(case):
 def test_services_and_switchable_objects(case):
     name, values, objs = case
     rs = rayservice(objs)
-    cfg = config_from_args(kube.serve_app(rs)["args"])
+    cfg = config_from_serve_app(kube.serve_app(rs))
     svc = rs["spec"]["serveService"]
     assert svc["metadata"]["name"] == f"{RELEASE}-rollout-platform"
     assert [p["port"] for p in svc["spec"]["ports"]] == [cfg.http.port]

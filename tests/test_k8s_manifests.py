@@ -16,7 +16,7 @@ pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not insta
 pytest.importorskip("jsonschema", reason="jsonschema not installed (test extra)")
 
 from tests import manifest_checks as kube  # noqa: E402
-from rollout.app import config_from_args  # noqa: E402
+from rollout.app import config_from_serve_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -73,7 +73,7 @@ def test_serve_config_and_secrets(built):
     (rs,) = by_kind(objs, "RayService")
     app = kube.serve_app(rs)
     assert app["import_path"] == "rollout.app:build"
-    cfg = config_from_args(app["args"])
+    cfg = config_from_serve_app(app)
     assert cfg.app_name == app["name"] == "rollout"
     example = yaml.safe_load((K8S / "base" / "secret.example.yaml").read_text())
     keys = set(example["stringData"])
@@ -91,8 +91,12 @@ def test_serve_config_and_secrets(built):
         a = cfg.deployment.autoscaling
         assert (worker["minReplicas"], worker["maxReplicas"]) == (a.min_replicas, a.max_replicas)
         assert worker["rayStartParams"]["num-gpus"] == str(gpus)
+        assert "deployments" not in app, "Serve rejects num_replicas next to an autoscaling_config"
     else:
         assert cfg.model.device == "cpu" and gpus == 0
+        # The replica count is a deployments override, not args (which restart the app).
+        assert "replicas" not in app["args"]["deployment"]
+        assert worker["minReplicas"] == worker["maxReplicas"] == cfg.deployment.replicas
 
 
 def test_trainer_job():

@@ -1,6 +1,8 @@
 """Autoscaling and routing end to end: real Serve autoscaling on the engines' own load,
 the affinity router, health-based replacement. Runs last: it removes the shared app to
-give these apps the machine's two cores."""
+give the machine's two cores to one app of its own, which each test reconfigures in
+place (replica count, autoscaling and router are applied by Serve without restarting
+replicas), in file order."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ray import serve
 from rollout.api import RolloutRequest, SamplingConfig
 from rollout.app import deploy
 from rollout.client import RolloutClient
+from rollout.config import PlatformConfig
 from rollout.local import cpu_config
 from rollout.status import prefix_cache_counters
 from rollout.sync import WeightPublisher
@@ -25,22 +28,11 @@ from tests.test_weight_sync_e2e import perturbed_policy
 pytestmark = pytest.mark.e2e
 
 ENGINE = "RolloutEngine"
+APP = "rollout-scaling"
+ELASTIC = {"min_replicas": 0, "max_replicas": 2, "target_ongoing_requests": 8, "look_back_period_s": 2, "upscale_delay_s": 2, "downscale_delay_s": 10}
 
 
-def app_config(model_dir, port: int, name: str, **deployment):
-    return cpu_config(
-        model_dir,
-        app_name=name,
-        model={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES},
-        # Serve runs one HTTP proxy per cluster: every app shares the shared app's port.
-        http={"port": port, "host": "127.0.0.1"},
-        metrics={"port": METRICS_PORT},
-        sync={"timeout_s": 10},
-        deployment={"health_check_period_s": 2, "health_check_timeout_s": 10, "stuck_timeout_s": 5, **deployment},
-    )
-
-
-def replica_count(app: str) -> int:
+def replica_count(app: str = APP) -> int:
     status = serve.status().applications.get(app)
     if status is None or ENGINE not in status.deployments:
         return 0
@@ -48,98 +40,97 @@ def replica_count(app: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def quiet_machine(platform) -> int:
-    """Removes the shared app; returns the Serve HTTP port every app here shares."""
+def scaling_app(platform, model_dir):
+    """Replaces the shared app with this module's app; yields a function that
+    (re)deploys it with other deployment settings and returns the config."""
     serve.delete(platform.app_name)
-    return platform.http.port
+    base = cpu_config(
+        model_dir,
+        app_name=APP,
+        model={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES},
+        # Serve runs one HTTP proxy per cluster: this app shares the shared app's port.
+        http={"port": platform.http.port, "host": "127.0.0.1"},
+        metrics={"port": METRICS_PORT},
+        sync={"timeout_s": 10},
+        deployment={"health_check_period_s": 2, "health_check_timeout_s": 10, "stuck_timeout_s": 5},
+    )
+
+    def redeploy(**deployment) -> PlatformConfig:
+        data = base.model_dump(mode="json")
+        data["deployment"].update(deployment)
+        cfg = PlatformConfig.model_validate(data)
+        deploy(cfg)
+        return cfg
+
+    yield redeploy
+    serve.delete(APP)
 
 
 def long_request(tokens: int = 200, **kw) -> RolloutRequest:
     return RolloutRequest(prompt_token_ids=[11, 12, 13, 14], sampling=SamplingConfig(max_tokens=tokens, ignore_eos=True), **kw)
 
 
-async def test_a_burst_scales_out_new_replicas_hold_the_newest_version_and_the_count_returns_to_the_minimum(quiet_machine, model_dir):
-    cfg = app_config(
-        model_dir,
-        quiet_machine,
-        "rollout-elastic",
-        autoscaling={"min_replicas": 0, "max_replicas": 2, "target_ongoing_requests": 8, "look_back_period_s": 2, "upscale_delay_s": 2, "downscale_delay_s": 10},
-    )
-    await asyncio.to_thread(deploy, cfg)
-    try:
-        client = RolloutClient.connect(app_name=cfg.app_name, batch_size=8)
-        publisher = WeightPublisher.connect(app_name=cfg.app_name, token=SYNC_TOKEN)
-        version = await asyncio.to_thread(publisher.publish, perturbed_policy(model_dir, seed=11).named_parameters())
-        assert replica_count(cfg.app_name) == 1
-        stop = asyncio.Event()
-        versions_seen: set[str] = set()
+async def test_a_burst_scales_out_new_replicas_hold_the_newest_version_and_the_count_returns_to_the_minimum(scaling_app, model_dir):
+    cfg = await asyncio.to_thread(scaling_app, autoscaling=ELASTIC)
+    client = RolloutClient.connect(app_name=cfg.app_name, batch_size=8)
+    publisher = WeightPublisher.connect(app_name=cfg.app_name, token=SYNC_TOKEN)
+    version = await asyncio.to_thread(publisher.publish, perturbed_policy(model_dir, seed=11).named_parameters())
+    assert replica_count(cfg.app_name) == 1
+    stop = asyncio.Event()
+    versions_seen: set[str] = set()
 
-        async def burst():
-            while not stop.is_set():
-                results = await client.generate([long_request() for _ in range(48)])
-                versions_seen.update(sp.version for r in results for s in r.samples for sp in s.weight_versions)
+    async def burst():
+        while not stop.is_set():
+            results = await client.generate([long_request() for _ in range(48)])
+            versions_seen.update(sp.version for r in results for s in r.samples for sp in s.weight_versions)
 
-        task = asyncio.create_task(burst())
-        t0 = time.monotonic()
+    task = asyncio.create_task(burst())
+    t0 = time.monotonic()
 
-        async def two_replicas_serving():
-            status = await asyncio.to_thread(publisher.status)
-            return replica_count(cfg.app_name) == 2 and len(status["replicas"]) == 2
-
-        await wait_until(two_replicas_serving, timeout_s=240, interval_s=1)
-        scale_out_s = time.monotonic() - t0
+    async def two_replicas_serving():
         status = await asyncio.to_thread(publisher.status)
-        assert all(r["version"] == version for r in status["replicas"].values()), status
-        await asyncio.sleep(10)  # let the new replica take part of the burst
-        stop.set()
-        await task
-        assert versions_seen == {str(version)}, "every token came from the committed version"
+        return replica_count(cfg.app_name) == 2 and len(status["replicas"]) == 2
 
-        # Burst over: back to the minimum (zero) after the downscale delay...
-        await wait_until(lambda: asyncio.to_thread(lambda: replica_count(cfg.app_name) == 0), timeout_s=180, interval_s=1)
-        # ...and the first request after zero waits for a replica instead of failing,
-        # which catches up to the committed version before serving it.
-        (res,) = await asyncio.wait_for(client.generate([long_request(8)]), timeout=300)
-        assert [sp.version for sp in res.samples[0].weight_versions] == [str(version)]
-        print(f"scale-out took {scale_out_s:.0f}s")
-    finally:
-        serve.delete(cfg.app_name)
+    await wait_until(two_replicas_serving, timeout_s=240, interval_s=1)
+    scale_out_s = time.monotonic() - t0
+    status = await asyncio.to_thread(publisher.status)
+    assert all(r["version"] == version for r in status["replicas"].values()), status
+    await asyncio.sleep(10)  # let the new replica take part of the burst
+    stop.set()
+    await task
+    assert versions_seen == {str(version)}, "every token came from the committed version"
+
+    # Burst over: back to the minimum (zero) after the downscale delay...
+    await wait_until(lambda: asyncio.to_thread(lambda: replica_count(cfg.app_name) == 0), timeout_s=180, interval_s=1)
+    # ...and the first request after zero waits for a replica instead of failing,
+    # which catches up to the committed version before serving it.
+    (res,) = await asyncio.wait_for(client.generate([long_request(8)]), timeout=300)
+    assert [sp.version for sp in res.samples[0].weight_versions] == [str(version)]
+    print(f"scale-out took {scale_out_s:.0f}s")
 
 
-async def test_a_steady_load_keeps_a_steady_replica_count(quiet_machine, model_dir):
-    cfg = app_config(
-        model_dir,
-        quiet_machine,
-        "rollout-steady",
+async def test_a_steady_load_keeps_a_steady_replica_count(scaling_app):
+    # New bounds on the running app: Serve applies them without restarting the replica.
+    cfg = await asyncio.to_thread(
+        scaling_app,
         autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 8, "look_back_period_s": 2, "upscale_delay_s": 2, "downscale_delay_s": 4},
     )
-    await asyncio.to_thread(deploy, cfg)
-    try:
-        client = RolloutClient.connect(app_name=cfg.app_name, batch_size=8)
-        stop = asyncio.Event()
+    await wait_until(lambda: asyncio.to_thread(replica_count), timeout_s=240, interval_s=1)
+    client = RolloutClient.connect(app_name=cfg.app_name, batch_size=8)
+    stop = asyncio.Event()
 
-        async def steady():
-            while not stop.is_set():
-                await client.generate([long_request(64) for _ in range(6)])  # below the target of 8
+    async def steady():
+        while not stop.is_set():
+            await client.generate([long_request(64) for _ in range(6)])  # below the target of 8
 
-        task = asyncio.create_task(steady())
-        counts = []
-        for _ in range(25):
-            await asyncio.sleep(1)
-            counts.append(replica_count(cfg.app_name))
-        stop.set()
-        await task
-        assert set(counts) == {1}, counts
-    finally:
-        serve.delete(cfg.app_name)
-
-
-@pytest.fixture(scope="module")
-def two_replica_app(quiet_machine, model_dir):
-    cfg = app_config(model_dir, quiet_machine, "rollout-routing", replicas=2)
-    deploy(cfg)
-    yield cfg
-    serve.delete(cfg.app_name)
+    task = asyncio.create_task(steady())
+    counts = []
+    for _ in range(25):
+        await asyncio.sleep(1)
+        counts.append(replica_count(cfg.app_name))
+    stop.set()
+    await task
+    assert set(counts) == {1}, counts
 
 
 async def _settled_counters(app: str) -> tuple[float, float]:
@@ -153,34 +144,34 @@ async def _settled_counters(app: str) -> tuple[float, float]:
     raise AssertionError("prefix-cache counters did not settle")
 
 
-async def _grouped_workload(client: RolloutClient, groups: int = 12, calls_per_group: int = 4) -> None:
-    # Long shared prompts (12 KV blocks); each group's samples arrive as separate calls.
-    prompts = [[100 + g] + [(g * 31 + i) % 1000 + 3 for i in range(200)] for g in range(groups)]
-    for c in range(calls_per_group):
+async def _grouped_hit_rate(app: str, seed: int, groups: int = 12, calls_per_group: int = 4) -> float:
+    """vLLM's prefix-cache hit rate over a GRPO-like workload: long shared prompts
+    (12 KV blocks), each group's samples arriving as separate calls. ``seed`` picks
+    prompts no earlier run has cached."""
+    client = RolloutClient.connect(app_name=app)  # a new handle: it routes with the current router
+    hits0, queries0 = await _settled_counters(app)
+    prompts = [[100 + g + 50 * seed] + [(g * 31 + i + 7 * seed) % 1000 + 3 for i in range(200)] for g in range(groups)]
+    for _ in range(calls_per_group):
         await asyncio.gather(*(client.generate([RolloutRequest(prompt_token_ids=p, n=2, sampling=SamplingConfig(max_tokens=4))]) for p in prompts))
+    hits1, queries1 = await _settled_counters(app)
+    client.close()
+    return (hits1 - hits0) / (queries1 - queries0)
 
 
-@pytest.mark.quarantine
-async def test_prefix_affinity_gets_a_clearly_higher_hit_rate_than_the_default_router(two_replica_app, model_dir):
+async def test_prefix_affinity_gets_a_clearly_higher_hit_rate_than_the_default_router(scaling_app):
+    # The same two replicas, first behind Serve's default router, then behind ours.
     rates = {}
-    for policy in ("default", "affinity"):
-        cfg = two_replica_app.model_copy(
-            update={"deployment": two_replica_app.deployment.model_copy(update={"routing": two_replica_app.deployment.routing.model_copy(update={"policy": policy})})}
-        )
-        await asyncio.to_thread(deploy, cfg)
-        await wait_until(lambda: asyncio.to_thread(lambda: replica_count(cfg.app_name) == 2), timeout_s=240, interval_s=1)
-        client = RolloutClient.connect(app_name=cfg.app_name)
-        hits0, queries0 = await _settled_counters(cfg.app_name)
-        await _grouped_workload(client)
-        hits1, queries1 = await _settled_counters(cfg.app_name)
-        rates[policy] = (hits1 - hits0) / (queries1 - queries0)
+    for seed, policy in enumerate(("default", "affinity")):
+        await asyncio.to_thread(scaling_app, autoscaling=None, replicas=2, routing={"policy": policy})
+        await wait_until(lambda: asyncio.to_thread(lambda: replica_count() == 2), timeout_s=240, interval_s=1)
+        rates[policy] = await _grouped_hit_rate(APP, seed)
     print(f"prefix-cache hit rate: {rates}")
     assert rates["affinity"] > rates["default"] + 0.1, rates
 
 
-@pytest.mark.quarantine
-async def test_turns_of_a_session_stay_on_one_replica(two_replica_app):
-    client = RolloutClient.connect(app_name=two_replica_app.app_name)
+async def test_turns_of_a_session_stay_on_one_replica(scaling_app):
+    await asyncio.to_thread(scaling_app, autoscaling=None, replicas=2)  # affinity: the default policy
+    client = RolloutClient.connect(app_name=APP)
     placement: dict[str, set[str]] = {}
     for turn in range(4):
         results = await asyncio.gather(
@@ -201,9 +192,9 @@ def _engine_core_of(replica_id: str) -> psutil.Process:
     return core
 
 
-@pytest.mark.quarantine
-async def test_a_stuck_replica_is_removed_from_routing_and_replaced(two_replica_app):
-    client = RolloutClient.connect(app_name=two_replica_app.app_name)
+async def test_a_stuck_replica_is_removed_from_routing_and_replaced(scaling_app):
+    await asyncio.to_thread(scaling_app, autoscaling=None, replicas=2)
+    client = RolloutClient.connect(app_name=APP)
     results = await asyncio.gather(*(client.generate([RolloutRequest(prompt=f"probe {i}", session_id=f"s{i}", sampling=SamplingConfig(max_tokens=2))]) for i in range(8)))
     victim = sorted({r.replica_id for (r,) in results})[0]
     core = await asyncio.to_thread(_engine_core_of, victim)
@@ -213,8 +204,8 @@ async def test_a_stuck_replica_is_removed_from_routing_and_replaced(two_replica_
         inflight = [asyncio.create_task(client.generate([long_request(50, session_id=f"s{i}")])) for i in range(8)]
 
         async def replaced():
-            status = serve.status().applications[two_replica_app.app_name].deployments[ENGINE]
-            return status.replica_states.get("RUNNING", 0) == 2 and victim not in await asyncio.to_thread(_replica_ids, two_replica_app.app_name)
+            status = serve.status().applications[APP].deployments[ENGINE]
+            return status.replica_states.get("RUNNING", 0) == 2 and victim not in await asyncio.to_thread(_replica_ids, APP)
 
         await wait_until(replaced, timeout_s=300, interval_s=1)
         for t in inflight:

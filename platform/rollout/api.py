@@ -58,6 +58,11 @@ class RolloutRequest(_Model):
     n: int = Field(default=1, ge=1, description="Samples of this prompt; they share one prefill. Capped by `limits.max_n`.")
     request_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Caller's id, echoed in the result; generated when absent.")
     session_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Groups requests of one episode (routing affinity).")
+    min_weight_version: Optional[int] = Field(
+        default=None,
+        ge=0,
+        description="Generate only with policy version >= this; a replica still behind holds the request until it serves it (up to `sync.timeout_s`), then fails it as retryable.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> "RolloutRequest":
@@ -103,6 +108,10 @@ class RolloutResult(_Model):
     prompt_token_ids: List[int]
     samples: List[Sample]
     replica_id: Optional[str] = Field(default=None, description="The engine replica that served the request (for debugging routing).")
+    committed_version: int = Field(default=0, description="The newest committed policy version the replica knew of when the result was returned.")
+    staleness: int = Field(
+        default=0, description="`committed_version` minus the oldest version that produced any token of the result: how many policy updates behind it is."
+    )
 
 
 class RolloutChunk(_Model):

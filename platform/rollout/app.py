@@ -6,11 +6,16 @@ Importable as ``rollout.app:build`` for ``serve run`` and a KubeRay ``serveConfi
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+from pathlib import Path
 from typing import Any, Mapping
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.deployment import Deployment
 
 from rollout.config import PlatformConfig, load_config
 from rollout.engine.args import placement, resolve_device
@@ -30,6 +35,26 @@ def config_from_args(args: Mapping[str, Any] | PlatformConfig | None) -> Platfor
             raise ValueError(f"args: config_file cannot be combined with {sorted(extra)}")
         return load_config(args["config_file"])
     return load_config(args)
+
+
+def config_from_serve_app(app: Mapping[str, Any]) -> PlatformConfig:
+    """The config one ``serveConfigV2`` application entry actually runs with.
+
+    ``config_from_args(app["args"])``, with ``deployment.replicas`` taken from the entry's
+    ``deployments`` override of the engine (``num_replicas``), if any. The Helm chart and the
+    kustomize base keep the replica count there rather than in ``args``: Serve derives the
+    app's code version from ``import_path`` and ``args``, and a new one restarts every
+    replica (the weight-sync coordinator included), while a new ``num_replicas`` only scales.
+    """
+    cfg = config_from_args(app.get("args"))
+    for d in app.get("deployments") or ():
+        if d.get("name") == cfg.deployment.name and "num_replicas" in d:
+            if cfg.deployment.autoscaling is not None:
+                raise ValueError(f"deployments: {cfg.deployment.name} sets num_replicas, but args set deployment.autoscaling")
+            data = cfg.model_dump(mode="json")
+            data["deployment"]["replicas"] = d["num_replicas"]
+            return PlatformConfig.model_validate(data)
+    return cfg
 
 
 def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any]:
@@ -72,15 +97,45 @@ def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any
     return opts
 
 
+# Deployment fields Serve applies itself (replica count, autoscaling, request router,
+# queue bound, probe period): no replica reads them, so they are not constructor args.
+SERVE_APPLIED_FIELDS = ("replicas", "autoscaling", "routing", "max_ongoing_requests", "health_check_period_s")
+
+
 def replica_args(cfg: PlatformConfig) -> dict[str, Any]:
-    """The config every replica is constructed with, minus the replica count.
+    """The config every replica is constructed with, minus what Serve applies itself.
 
     Serve restarts a deployment's replicas when their constructor arguments change;
-    scaling (a new `replicas` or autoscaling bound) must add or remove replicas, not
-    restart the ones serving, nor the coordinator holding the committed weights.
+    scaling, a new autoscaling bound or another request router must add, remove or
+    re-route replicas, not restart the ones serving, nor the coordinator holding the
+    committed weights.
     """
-    fixed = cfg.deployment.model_copy(update={"replicas": 1, "autoscaling": None})
+    fields = type(cfg.deployment).model_fields
+    defaults = {f: fields[f].get_default(call_default_factory=True) for f in SERVE_APPLIED_FIELDS}
+    fixed = cfg.deployment.model_copy(update=defaults)
     return cfg.model_copy(update={"deployment": fixed}).model_dump(mode="json")
+
+
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def pinned(deployment: Deployment, *init_args: Any) -> Deployment:
+    """``deployment`` with a version derived from our code and its constructor args.
+
+    Serve gives each deployment of an imperative ``serve.run`` a random version, so
+    re-running the app to change the replica count would restart every replica (and
+    the coordinator, losing its copy of the committed weights). With a version that
+    changes only when the code or the constructor args do, a new replica count is a
+    scale, as in a declarative (KubeRay) deploy whose args are unchanged.
+    """
+    digest = hashlib.sha256(json.dumps([_source_digest(), deployment.name, *init_args], sort_keys=True, default=str).encode())
+    # `version` is Serve-internal in options(); it is what `serve deploy` sets from the app's code version.
+    return deployment.options(version=digest.hexdigest()[:16], _internal=True)
 
 
 def sync_backend(cfg: PlatformConfig, device: str) -> str:
@@ -107,8 +162,10 @@ def build_application(cfg: PlatformConfig) -> Application:
             # Every engine replica holds one long poll open, plus publishers.
             max_ongoing_requests=10_000,
             ray_actor_options={"num_cpus": 0},
-        ).bind(config, backend)
-    engine = serve.deployment(RolloutEngine).options(**engine_deployment_options(cfg, device)).bind(config, device, coordinator, backend)
+        )
+        coordinator = pinned(coordinator, config, backend).bind(config, backend)
+    engine = serve.deployment(RolloutEngine).options(**engine_deployment_options(cfg, device))
+    engine = pinned(engine, config, device, backend).bind(config, device, coordinator, backend)
     ingress = serve.deployment(HttpIngress).options(
         name=INGRESS_NAME,
         num_replicas=1,
@@ -116,7 +173,7 @@ def build_application(cfg: PlatformConfig) -> Application:
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(engine, config, coordinator)
+    return pinned(ingress, config).bind(engine, config, coordinator)
 
 
 def build(args: Mapping[str, Any] | None = None) -> Application:

@@ -234,6 +234,12 @@ class SyncConfig(_Section):
         description="Requests in flight during an update: `keep` continues them on the new weights (their spans show the switch), `wait` finishes them first, `abort` ends them.",
     )
     timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Deadline (s) of every sync step: rendezvous, transfer, commit, (0, 3600].")
+    max_staleness: Optional[int] = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description="Most versions a replica may lag the committed version and still start requests (a request's own `min_weight_version` can ask for more); unset: no bound.",
+    )
     bucket_bytes: int = Field(default=256 << 20, ge=1 << 16, le=8 << 30, description="Packed transfer bucket size in bytes, 64 KiB..8 GiB.")
     token_env: str = Field(default="ROLLOUT_SYNC_TOKEN", description="Environment variable holding the token trainers must present; unset means no token is required (a warning is logged).")
     allowed_service_accounts: list[str] = Field(

@@ -41,6 +41,10 @@ class EngineUnavailableError(RolloutError):
     """The engine is dead, stuck or shutting down."""
 
 
+class StaleWeightsError(EngineUnavailableError):
+    """The replica did not reach the policy version a request needs in time (retryable)."""
+
+
 def loc_to_field(loc: Iterable[object]) -> str:
     out = ""
     for part in loc:

@@ -21,6 +21,7 @@ from rollout.config import PlatformConfig
 from rollout.engine.stats import EngineStats, SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, check_request
 from rollout.errors import EngineUnavailableError, InvalidRequestError, from_validation_error
+from rollout.sync.version import version_of
 
 logger = logging.getLogger(__name__)
 
@@ -158,14 +159,35 @@ class RolloutEngine:
         final = None
         async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._engine_request_id(req)):
             final = out
-        samples = sorted(final.outputs, key=lambda c: c.index)
-        self._served(len(prompt_ids), sum(len(c.token_ids) for c in samples), started)
+        outputs = sorted(final.outputs, key=lambda c: c.index)
+        self._served(len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
+        samples = [to_sample(c) for c in outputs]
+        committed = self.sync.committed if self.sync is not None else 0
+        oldest = min((version_of(sp.version) for sample in samples for sp in sample.weight_versions), default=committed)
         return RolloutResult(
             request_id=req.request_id,
             prompt_token_ids=prompt_ids,
-            samples=[to_sample(c) for c in samples],
+            samples=samples,
             replica_id=self.replica_id,
+            committed_version=committed,
+            staleness=max(0, committed - oldest),
         )
+
+    async def _admit(self, prepared: list[tuple[RolloutRequest, list[int]]], offset: int = 0) -> None:
+        """Hold a batch until this replica serves the policy version it needs: the
+        requests' ``min_weight_version`` and, with ``sync.max_staleness``, no more than
+        that many versions behind the committed one."""
+        wanted = 0
+        for i, (req, _) in enumerate(prepared, start=offset):
+            if req.min_weight_version and self.sync is None:
+                raise InvalidRequestError(f"requests[{i}].min_weight_version", f"{req.min_weight_version}: weight sync is disabled; version 0 is all this platform serves")
+            wanted = max(wanted, req.min_weight_version or 0)
+        if self.sync is None:
+            return
+        if self.config.sync.max_staleness is not None:
+            wanted = max(wanted, self.sync.committed - self.config.sync.max_staleness)
+        if wanted > self.sync.version:
+            await self.sync.wait_for_version(wanted, self.config.sync.timeout_s)
 
     async def generate(self, requests: Sequence[Any], offset: int = 0) -> list[RolloutResult]:
         """Run a batch of requests concurrently; results come back in request order.
@@ -181,6 +203,8 @@ class RolloutEngine:
         except InvalidRequestError:
             self._count("invalid", len(requests))
             raise
+        # Before counting as in flight: a held request is not the engine being stuck.
+        await self._admit(prepared, offset)
         self.inflight += len(prepared)
         try:
             return await self._run_batch(prepared)
@@ -212,6 +236,7 @@ class RolloutEngine:
         except InvalidRequestError:
             self._count("invalid")
             raise
+        await self._admit([(req, prompt_ids)])
         params = to_sampling_params(req.sampling, req.n, stream=True)
         self.inflight += 1
         first, generated, started = True, 0, time.monotonic()

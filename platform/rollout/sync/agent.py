@@ -14,23 +14,13 @@ import asyncio
 import logging
 from typing import Any, Optional
 
+from rollout.errors import StaleWeightsError
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.coordinator import REREGISTER
-from rollout.sync.plan import RoundPlan
+from rollout.sync.plan import RoundOutcome, RoundPlan
+from rollout.sync.version import version_of
 
 logger = logging.getLogger(__name__)
-
-INITIAL_VERSION_LABEL = "default"  # what vLLM reports before any update
-
-
-def version_of(label: str) -> int:
-    if label == INITIAL_VERSION_LABEL:
-        return 0
-    try:
-        return int(label)
-    except ValueError:
-        raise ValueError(f"engine reports weight version {label!r}, which this platform did not set") from None
-
 
 class SyncAgent:
     def __init__(self, engine: Any, coordinator: Any, replica_id: str, ranks: int, model_path: str):
@@ -40,8 +30,23 @@ class SyncAgent:
         self.ranks = ranks
         self.params = checkpoint_spec(model_path)
         self._version = 0
-        self.broken: Optional[str] = None
+        self._version_changed = asyncio.Event()
+        # The newest committed version this replica has heard of (registration, rounds).
+        self.committed = 0
+        self._broken: Optional[str] = None
         self._task: Optional[asyncio.Task] = None
+
+    @property
+    def broken(self) -> Optional[str]:
+        """Why this replica must not serve, or None. A sync loop that died counts: the
+        replica would otherwise stay paused (or miss rounds) behind a passing health check."""
+        if self._broken is None and self._task is not None and self._task.done() and not self._task.cancelled():
+            return f"weight-sync loop ended: {self._task.exception()!r}"
+        return self._broken
+
+    @broken.setter
+    def broken(self, reason: Optional[str]) -> None:
+        self._broken = reason
 
     @property
     def version(self) -> int:
@@ -50,6 +55,29 @@ class SyncAgent:
     @version.setter
     def version(self, value: int) -> None:
         self._version = value
+        self.committed = max(self.committed, value)
+        # Wake every waiter, then arm a fresh event for the next change.
+        self._version_changed.set()
+        self._version_changed = asyncio.Event()
+
+    async def wait_for_version(self, version: int, timeout_s: float) -> None:
+        """Return once this replica serves ``version`` or newer; raise
+        :class:`StaleWeightsError` after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.version < version and not self.broken:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._version_changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        if self.version < version:
+            raise StaleWeightsError(
+                f"replica {self.replica_id} serves policy version {self.version} (committed {self.committed}); "
+                f"version {version} did not arrive within {timeout_s:.0f}s"
+            )
 
     async def start(self) -> None:
         self.version = version_of(await self.engine.get_weight_version())
@@ -60,14 +88,14 @@ class SyncAgent:
         self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="rollout-sync-agent")
 
     async def _register(self) -> int:
-        return await self.coordinator.register.remote(self.replica_id, self.ranks, self.version, self.params)
+        committed = await self.coordinator.register.remote(self.replica_id, self.ranks, self.version, self.params)
+        self.committed = max(self.committed, committed)
+        return committed
 
     async def _poll_forever(self) -> None:
         while True:
             try:
                 plan = await self.coordinator.next_round.remote(self.replica_id, self.version)
-            except asyncio.CancelledError:
-                raise
             except Exception as e:
                 logger.warning("replica %s: coordinator unreachable (%s); retrying", self.replica_id, e)
                 await asyncio.sleep(1.0)
@@ -77,7 +105,12 @@ class SyncAgent:
             if plan == REREGISTER:
                 await self._reregister()
                 continue
-            if not await self._apply(plan):
+            try:
+                consistent = await self._apply(plan)
+            except Exception:
+                logger.exception("replica %s: %s failed unexpectedly; restoring the committed weights", self.replica_id, plan.round_id)
+                consistent = False
+            if not consistent:
                 await self._restore()
 
     async def _reregister(self) -> None:
@@ -129,7 +162,8 @@ class SyncAgent:
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
-            outcome = await self.coordinator.report.remote(plan.round_id, self.replica_id, error)
+            outcome = await self._report(plan, error)
+            self.committed = max(self.committed, outcome.version)
             if outcome.committed:
                 await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
                 self.version = plan.version
@@ -146,6 +180,15 @@ class SyncAgent:
         finally:
             if consistent:
                 await self.engine.resume_generation()
+
+    async def _report(self, plan: RoundPlan, error: Optional[str]) -> RoundOutcome:
+        """The round's decision; an unreachable coordinator counts as an abort, so the
+        weights are restored rather than trusted."""
+        try:
+            return await self.coordinator.report.remote(plan.round_id, self.replica_id, error)
+        except Exception as e:
+            logger.error("replica %s: reporting %s failed (%s); treating it as aborted", self.replica_id, plan.round_id, e)
+            return RoundOutcome(plan.round_id, False, -1, f"report failed: {e}", [self.replica_id])
 
     async def _close_update(self) -> None:
         # End vLLM's update session so the restore round can start a fresh one; the

@@ -55,6 +55,8 @@ class _Round:
     trainer_done: bool = False
     decided: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Optional[RoundOutcome] = None
+    applied: set[str] = field(default_factory=set)  # members serving the decided version again
+    all_applied: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def check_spec(sent: list[ParamSpec], expected: list[ParamSpec]) -> None:
@@ -87,6 +89,9 @@ class WeightSyncCoordinator:
         self.round: Optional[_Round] = None
         self.last_outcome: Optional[RoundOutcome] = None
         self.history: list[RoundOutcome] = []
+        # Decided rounds by id: a member that reports after the decision (its receive
+        # timed out late, a new round already opened) still learns the outcome.
+        self._decided: dict[str, RoundOutcome] = {}
         self.metrics = None
         if self.config.metrics.enabled:
             from rollout.metrics import SyncMetrics
@@ -353,6 +358,9 @@ class WeightSyncCoordinator:
         self.last_outcome = rnd.outcome
         self.history.append(rnd.outcome)
         del self.history[:-HISTORY]
+        self._decided[rnd.plan.round_id] = rnd.outcome
+        for old in list(self._decided)[:-HISTORY]:
+            del self._decided[old]
         rnd.decided.set()
         self._round_lock.release()
         log = logger.info if committed else logger.error
@@ -375,20 +383,32 @@ class WeightSyncCoordinator:
 
     async def report(self, round_id: str, replica_id: str, error: Optional[str]) -> RoundOutcome:
         """A member received all weights (``error`` None) or failed; wait for the decision."""
-        rnd = self._round(round_id)
         self._seen(replica_id)
+        if round_id in self._decided:
+            return self._decided[round_id]
+        rnd = self._round(round_id)
         rnd.reports[replica_id] = error
         self._maybe_decide(rnd)
         await rnd.decided.wait()
         return rnd.outcome
 
     async def finish(self, round_id: str, error: Optional[str] = None) -> RoundOutcome:
-        """The trainer sent everything (or failed); wait for the decision."""
+        """The trainer sent everything (or failed); wait for the decision and, after a
+        commit, for the members to serve it, so a publisher that returns finds every
+        replica on the new version (it never waits longer than one step deadline)."""
+        if round_id in self._decided:
+            return self._decided[round_id]
         rnd = self._round(round_id)
         rnd.trainer_done = True
         rnd.trainer_error = error
         self._maybe_decide(rnd)
         await rnd.decided.wait()
+        if rnd.outcome.committed and rnd.plan.members:
+            try:
+                await asyncio.wait_for(rnd.all_applied.wait(), timeout=rnd.plan.timeout_s)
+            except asyncio.TimeoutError:
+                late = sorted({m.replica_id for m in rnd.plan.members} - rnd.applied)
+                logger.warning("%s committed; %s did not confirm serving it within %ss", round_id, late, rnd.plan.timeout_s)
         return rnd.outcome
 
     async def applied(self, round_id: str, replica_id: str, version: int) -> None:
@@ -397,6 +417,11 @@ class WeightSyncCoordinator:
         if r is not None:
             r.version = version
         self._seen(replica_id)
+        rnd = self.round
+        if rnd is not None and rnd.plan.round_id == round_id:
+            rnd.applied.add(replica_id)
+            if rnd.applied >= {m.replica_id for m in rnd.plan.members}:
+                rnd.all_applied.set()
 
     def _seen(self, replica_id: str) -> None:
         r = self.replicas.get(replica_id)

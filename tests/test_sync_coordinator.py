@@ -1,0 +1,55 @@
+"""The coordinator's round bookkeeping, in one process (no Ray, no engines): the nccl
+backend keeps no weight copy, so a round involves only the calls below."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout.sync.coordinator import WeightSyncCoordinator
+from rollout.sync.wire import ParamSpec
+
+SPECS = [ParamSpec("w", "float32", (2, 2))]
+
+
+def coordinator() -> WeightSyncCoordinator:
+    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1}}, "nccl")
+    c._token = None
+    return c
+
+
+async def test_a_member_that_reports_after_the_decision_and_a_newer_round_still_gets_its_rounds_outcome():
+    c = coordinator()
+    for rid in ("a", "b"):
+        await c.register(rid, 1, 0, SPECS)
+    first = await c.begin_round(None, SPECS, None, "127.0.0.1", 1)
+    await c.report(first.round_id, "a", "receive failed")  # decides: aborted
+    second = await c.begin_round(None, SPECS, None, "127.0.0.1", 2)
+    late = await c.report(first.round_id, "b", None)  # b's receive timed out late
+    assert late.round_id == first.round_id and not late.committed
+    assert c.round.plan.round_id == second.round_id and not c.round.decided.is_set(), "the open round is untouched"
+
+
+async def test_the_publisher_returns_once_every_member_serves_the_committed_version():
+    c = coordinator()
+    for rid in ("a", "b"):
+        await c.register(rid, 1, 0, SPECS)
+    plan = await c.begin_round(None, SPECS, None, "127.0.0.1", 1)
+    for rid in ("a", "b"):
+        asyncio.get_running_loop().create_task(c.report(plan.round_id, rid, None))
+    finish = asyncio.create_task(c.finish(plan.round_id))
+    await asyncio.sleep(0.1)
+    assert c.committed_version == 1 and not finish.done(), "committed, but no member serves it yet"
+    await c.applied(plan.round_id, "a", 1)
+    await c.applied(plan.round_id, "b", 1)
+    outcome = await asyncio.wait_for(finish, 1)
+    assert outcome.committed and {r["version"] for r in (await c.status())["replicas"].values()} == {1}
+
+
+async def test_rounds_run_one_at_a_time_and_a_second_publisher_gets_a_clear_error():
+    c = coordinator()
+    await c.register("a", 1, 0, SPECS)
+    await c.begin_round(None, SPECS, None, "127.0.0.1", 1)
+    with pytest.raises(Exception, match="one at a time"):
+        await c.begin_round(None, SPECS, None, "127.0.0.1", 2)
