@@ -128,6 +128,10 @@ def test_changing_replica_count_autoscaling_or_router_keeps_every_deployment_ver
     rerouted = PlatformConfig.model_validate({"model": {"path": "/m"}, "deployment": {"routing": {"policy": "default"}, "health_check_period_s": 2}})
     versions = _deployment_versions(base)
     assert set(versions) == {"RolloutIngress", "RolloutEngine", "WeightSyncCoordinator"} and all(versions.values())
-    assert _deployment_versions(scaled) == versions == _deployment_versions(autoscaled) == _deployment_versions(rerouted)
+    assert _deployment_versions(scaled) == versions == _deployment_versions(autoscaled)
+    # A new router restarts only the ingress, whose engine handle holds the router.
+    rerouted = _deployment_versions(rerouted)
+    assert rerouted["RolloutIngress"] != versions["RolloutIngress"]
+    assert {k: v for k, v in rerouted.items() if k != "RolloutIngress"} == {k: v for k, v in versions.items() if k != "RolloutIngress"}
     changed = _deployment_versions(PlatformConfig.model_validate({"model": {"path": "/m", "max_model_len": 1024}}))
     assert all(changed[name] != versions[name] for name in versions), "a new engine config restarts the replicas"

@@ -17,10 +17,10 @@ from ray import serve
 
 from rollout.api import RolloutRequest, SamplingConfig
 from rollout.app import deploy
+from rollout.bench.scaling import group_prompts, grouped_workload
 from rollout.client import RolloutClient
 from rollout.config import PlatformConfig
 from rollout.local import cpu_config
-from rollout.status import prefix_cache_counters
 from rollout.sync import WeightPublisher
 from tests.conftest import KV_BYTES, MAX_MODEL_LEN, METRICS_PORT, SYNC_TOKEN, wait_until
 from tests.test_weight_sync_e2e import perturbed_policy
@@ -133,38 +133,18 @@ async def test_a_steady_load_keeps_a_steady_replica_count(scaling_app):
     assert set(counts) == {1}, counts
 
 
-async def _settled_counters(app: str) -> tuple[float, float]:
-    last = None
-    for _ in range(60):
-        now = await asyncio.to_thread(prefix_cache_counters, f"http://127.0.0.1:{METRICS_PORT}/metrics", app)
-        if now == last:
-            return now
-        last = now
-        await asyncio.sleep(2)
-    raise AssertionError("prefix-cache counters did not settle")
-
-
-async def _grouped_hit_rate(app: str, seed: int, groups: int = 12, calls_per_group: int = 4) -> float:
-    """vLLM's prefix-cache hit rate over a GRPO-like workload: long shared prompts
-    (12 KV blocks), each group's samples arriving as separate calls. ``seed`` picks
-    prompts no earlier run has cached."""
-    client = RolloutClient.connect(app_name=app)  # a new handle: it routes with the current router
-    hits0, queries0 = await _settled_counters(app)
-    prompts = [[100 + g + 50 * seed] + [(g * 31 + i + 7 * seed) % 1000 + 3 for i in range(200)] for g in range(groups)]
-    for _ in range(calls_per_group):
-        await asyncio.gather(*(client.generate([RolloutRequest(prompt_token_ids=p, n=2, sampling=SamplingConfig(max_tokens=4))]) for p in prompts))
-    hits1, queries1 = await _settled_counters(app)
-    client.close()
-    return (hits1 - hits0) / (queries1 - queries0)
-
-
 async def test_prefix_affinity_gets_a_clearly_higher_hit_rate_than_the_default_router(scaling_app):
     # The same two replicas, first behind Serve's default router, then behind ours.
     rates = {}
     for seed, policy in enumerate(("default", "affinity")):
-        await asyncio.to_thread(scaling_app, autoscaling=None, replicas=2, routing={"policy": policy})
+        cfg = await asyncio.to_thread(scaling_app, autoscaling=None, replicas=2, routing={"policy": policy})
         await wait_until(lambda: asyncio.to_thread(lambda: replica_count() == 2), timeout_s=240, interval_s=1)
-        rates[policy] = await _grouped_hit_rate(APP, seed)
+        # Through the HTTP ingress, which a router change restarts: a handle in this
+        # process would keep the router it was created with (Serve caches handles).
+        client = RolloutClient.http(f"http://127.0.0.1:{cfg.http.port}")
+        result = await grouped_workload(client, APP, f"http://127.0.0.1:{METRICS_PORT}/metrics", group_prompts(12, seed), calls=4, n=2, max_tokens=4)
+        client.close()
+        rates[policy] = result["follow_up_prefix_cache_hit_rate"]
     print(f"prefix-cache hit rate: {rates}")
     assert rates["affinity"] > rates["default"] + 0.1, rates
 

@@ -173,7 +173,10 @@ def build_application(cfg: PlatformConfig) -> Application:
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0},
     )
-    return pinned(ingress, config).bind(engine, config, coordinator)
+    # The ingress's handle builds its request router once, from the deployment config of
+    # its first call: a new router policy must restart the ingress (cheap), not the engines.
+    routing = cfg.deployment.routing.model_dump(mode="json")
+    return pinned(ingress, config, routing).bind(engine, config, coordinator)
 
 
 def build(args: Mapping[str, Any] | None = None) -> Application:

@@ -5,7 +5,8 @@
   sync, and how much of that is the replica's own start (engine load + catch-up).
 * ``routing``: the same grouped workload (long shared prompts, each group's samples sent
   as separate calls) over 2 replicas with Serve's default router and with ours: vLLM's
-  prefix-cache hit rate from the replicas' own counters, and generated tokens/s.
+  prefix-cache hit rate of the follow-up calls from the replicas' own counters, and
+  generated tokens/s (the wall time excludes the counter reads).
 """
 
 from __future__ import annotations
@@ -79,36 +80,55 @@ async def _scale_out(model_dir: Path) -> dict[str, Any]:
     }
 
 
-async def _settled(app: str) -> tuple[float, float]:
-    # Ray's agent reports every second: wait until two reads agree.
+async def settled_prefix_counters(metrics_url: str, app: str, attempts: int = 60) -> tuple[float, float]:
+    """(hits, queries) of ``app``'s prefix caches once two reads 2 s apart agree (Ray's
+    agent exports every second)."""
     last = None
-    while True:
-        now = await asyncio.to_thread(prefix_cache_counters, f"http://127.0.0.1:{METRICS_PORT}/metrics", app)
+    for _ in range(attempts):
+        now = await asyncio.to_thread(prefix_cache_counters, metrics_url, app)
         if now == last:
             return now
         last = now
         await asyncio.sleep(2)
+    raise RuntimeError(f"prefix-cache counters of {app} did not settle")
+
+
+def group_prompts(groups: int, seed: int = 0, length: int = 200) -> list[list[int]]:
+    """Long prompts, one per GRPO group; ``seed`` gives prompts no earlier run cached."""
+    return [[100 + g + 50 * seed] + [(g * 31 + i + 7 * seed) % 1000 + 3 for i in range(length)] for g in range(groups)]
+
+
+async def grouped_workload(client: RolloutClient, app: str, metrics_url: str, prompts: list[list[int]], calls: int, n: int, max_tokens: int) -> dict[str, float]:
+    """Each group's samples arrive as ``calls`` separate calls of ``n`` samples (all groups
+    concurrently per call). The hit rate counts the follow-up calls: a group's first call
+    misses on any router."""
+    sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True)
+
+    async def one_call_per_group() -> int:
+        results = await asyncio.gather(*(client.generate([RolloutRequest(prompt_token_ids=p, n=n, sampling=sampling)]) for p in prompts))
+        return sum(len(s.token_ids) for (r,) in results for s in r.samples)
+
+    t0 = time.perf_counter()
+    tokens = await one_call_per_group()
+    wall = time.perf_counter() - t0
+    h0, q0 = await settled_prefix_counters(metrics_url, app)
+    t1 = time.perf_counter()
+    for _ in range(calls - 1):
+        tokens += await one_call_per_group()
+    wall += time.perf_counter() - t1
+    h1, q1 = await settled_prefix_counters(metrics_url, app)
+    return {"follow_up_prefix_cache_hit_rate": (h1 - h0) / (q1 - q0), "tokens_per_s": tokens / wall}
 
 
 async def _routing(model_dir: Path) -> dict[str, Any]:
     out = {}
-    prompts = [[100 + g] + [(g * 31 + i) % 1000 + 3 for i in range(200)] for g in range(16)]
-    for policy in ("default", "affinity"):
+    metrics_url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    for seed, policy in enumerate(("default", "affinity")):
         cfg = cpu_config(model_dir, app_name=f"bench-{policy}", http={"port": 8768}, metrics={"port": METRICS_PORT}, deployment={"replicas": 2, "routing": {"policy": policy}})
         await asyncio.to_thread(deploy, cfg)
         client = RolloutClient.connect(app_name=cfg.app_name)
         await client.generate([RolloutRequest(prompt="warm-up", sampling=SamplingConfig(max_tokens=4))] * 4)
-        h0, q0 = await _settled(cfg.app_name)
-        t0 = time.perf_counter()
-        tokens = 0
-        for _ in range(4):
-            results = await asyncio.gather(
-                *(client.generate([RolloutRequest(prompt_token_ids=p, n=4, sampling=SamplingConfig(max_tokens=32, ignore_eos=True))]) for p in prompts)
-            )
-            tokens += sum(len(s.token_ids) for (r,) in results for s in r.samples)
-        wall = time.perf_counter() - t0
-        h1, q1 = await _settled(cfg.app_name)
-        out[policy] = {"prefix_cache_hit_rate": (h1 - h0) / (q1 - q0), "tokens_per_s": tokens / wall}
+        out[policy] = await grouped_workload(client, cfg.app_name, metrics_url, group_prompts(16, seed), calls=4, n=4, max_tokens=32)
         serve.delete(cfg.app_name)
     return out
 

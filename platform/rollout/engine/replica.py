@@ -260,11 +260,12 @@ class RolloutEngine:
 
     async def stats(self) -> EngineStats:
         s = self.snapshot
+        running, waiting = self._queue()
         return EngineStats(
             replica_id=self.replica_id,
-            running=s.running,
-            waiting=s.waiting,
-            kv_cache_usage=s.kv_cache_usage,
+            running=running,
+            waiting=waiting,
+            kv_cache_usage=self._kv_usage(),
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             inflight_requests=self.inflight,
@@ -278,15 +279,20 @@ class RolloutEngine:
         while True:
             running, waiting = self._queue()
             version = self.sync.version if self.sync is not None else 0
-            self.metrics.gauges(running, waiting, self.snapshot.kv_cache_usage, version)
+            self.metrics.gauges(running, waiting, self._kv_usage(), version)
             await asyncio.sleep(period_s)
+
+    def _idle(self) -> bool:
+        # An idle engine stops stepping, so its last scheduler report may predate the
+        # final step and show sequences (and their KV blocks) long since finished.
+        return self.inflight == 0 and self.snapshot.seconds_since_step() > 2.0
 
     def _queue(self) -> tuple[int, int]:
         """(running, waiting) sequences in the engine."""
-        s = self.snapshot
-        if self.inflight == 0 and s.seconds_since_step() > 2.0:
-            return 0, 0  # idle: the last scheduler report may predate the final step
-        return s.running, s.waiting
+        return (0, 0) if self._idle() else (self.snapshot.running, self.snapshot.waiting)
+
+    def _kv_usage(self) -> float:
+        return 0.0 if self._idle() else self.snapshot.kv_cache_usage
 
     def _engine_sequences(self) -> int:
         return sum(self._queue())
@@ -294,12 +300,13 @@ class RolloutEngine:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for request routers (``deployment.routing.stats_period_s``)."""
         s = self.snapshot
+        running, waiting = self._queue()
         return {
-            "running": s.running,
-            "waiting": s.waiting,
+            "running": running,
+            "waiting": waiting,
             "inflight": self.inflight,
             "max_num_seqs": self.config.model.max_num_seqs,
-            "kv_cache_usage": s.kv_cache_usage,
+            "kv_cache_usage": self._kv_usage(),
             "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
             "weight_version": self.sync.version if self.sync is not None else 0,
             "updated_at": s.last_step_wall,
@@ -309,7 +316,7 @@ class RolloutEngine:
         """Engine load for :func:`rollout.scaling.engine_load_policy`."""
         from rollout.scaling import KV_USAGE, SEQUENCES
 
-        return {SEQUENCES: float(self._engine_sequences()), KV_USAGE: self.snapshot.kv_cache_usage}
+        return {SEQUENCES: float(self._engine_sequences()), KV_USAGE: self._kv_usage()}
 
     async def model_info(self) -> dict[str, Any]:
         return {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from rollout.routing.affinity import ReplicaLoad, affinity_key, rank
 
@@ -23,7 +23,10 @@ def _load(stats: Optional[dict]) -> Optional[float]:
     return (stats.get("running", 0) + stats.get("waiting", 0)) / stats["max_num_seqs"]
 
 
-class AffinityRouter(FIFOMixin, RequestRouter):
+class AffinityRouter(RequestRouter):
+    # No FIFOMixin: it hands the replica chosen for one request to the oldest pending
+    # request, whatever its key. The base router fulfils exactly the request it chose for.
+
     def initialize_state(self, max_imbalance: float = 0.25, prefix_tokens: int = 32, prefix_chars: int = 128, **kwargs):
         self.max_imbalance = max_imbalance
         self.prefix_tokens = prefix_tokens
