@@ -127,7 +127,8 @@ async def test_series_count_does_not_grow_with_request_ids_and_prompts(prometheu
     before = await settled(prometheus, expr)
     await handle_client.generate(batch("b"))
     await settled(prometheus, GENERATED)
-    assert await settled(prometheus, expr) == before
+    # Series of replicas that left earlier tests may still age out meanwhile: fewer is fine.
+    assert await settled(prometheus, expr) <= before
 
 
 def test_rollout_status_prints_replicas_versions_and_throughput(platform, publisher):
