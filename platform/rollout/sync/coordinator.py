@@ -89,9 +89,6 @@ class WeightSyncCoordinator:
         self.round: Optional[_Round] = None
         self.last_outcome: Optional[RoundOutcome] = None
         self.history: list[RoundOutcome] = []
-        # Decided rounds by id: a member that reports after the decision (its receive
-        # timed out late, a new round already opened) still learns the outcome.
-        self._decided: dict[str, RoundOutcome] = {}
         self.metrics = None
         if self.config.metrics.enabled:
             from rollout.metrics import SyncMetrics
@@ -358,9 +355,6 @@ class WeightSyncCoordinator:
         self.last_outcome = rnd.outcome
         self.history.append(rnd.outcome)
         del self.history[:-HISTORY]
-        self._decided[rnd.plan.round_id] = rnd.outcome
-        for old in list(self._decided)[:-HISTORY]:
-            del self._decided[old]
         rnd.decided.set()
         self._round_lock.release()
         log = logger.info if committed else logger.error
@@ -376,6 +370,11 @@ class WeightSyncCoordinator:
         ):
             self._decide(rnd)
 
+    def _decided(self, round_id: str) -> Optional[RoundOutcome]:
+        """A recent round's outcome: a member that reports after the decision (its receive
+        timed out late, a new round already opened) still learns it."""
+        return next((o for o in reversed(self.history) if o.round_id == round_id), None)
+
     def _round(self, round_id: str) -> _Round:
         if self.round is None or self.round.plan.round_id != round_id:
             raise SyncError(f"unknown round {round_id}")
@@ -384,8 +383,9 @@ class WeightSyncCoordinator:
     async def report(self, round_id: str, replica_id: str, error: Optional[str]) -> RoundOutcome:
         """A member received all weights (``error`` None) or failed; wait for the decision."""
         self._seen(replica_id)
-        if round_id in self._decided:
-            return self._decided[round_id]
+        decided = self._decided(round_id)
+        if decided is not None:
+            return decided
         rnd = self._round(round_id)
         rnd.reports[replica_id] = error
         self._maybe_decide(rnd)
@@ -396,8 +396,9 @@ class WeightSyncCoordinator:
         """The trainer sent everything (or failed); wait for the decision and, after a
         commit, for the members to serve it, so a publisher that returns finds every
         replica on the new version (it never waits longer than one step deadline)."""
-        if round_id in self._decided:
-            return self._decided[round_id]
+        decided = self._decided(round_id)
+        if decided is not None:
+            return decided
         rnd = self._round(round_id)
         rnd.trainer_done = True
         rnd.trainer_error = error
