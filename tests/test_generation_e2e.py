@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 import ray
 
 from rollout.api import RolloutRequest, SamplingConfig
-from tests.conftest import wait_until
+from tests.conftest import API_KEY, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -57,6 +58,17 @@ async def test_results_keep_request_order_and_ids(any_client):
     results = await any_client.generate(reqs)
     assert [r.request_id for r in results] == [f"req-{i}" for i in range(len(PROMPTS))]
     assert [r.prompt_token_ids for r in results] == PROMPTS
+
+
+async def test_an_http_batch_spanning_several_engine_calls_returns_every_result_in_order(base_url, platform):
+    # The ingress splits it into concurrent engine calls that share one HTTP request's
+    # context; each must be routed (Serve keys pending calls by that request's id).
+    size = 2 * platform.deployment.client_batch_size + 5
+    body = {"requests": [{"prompt_token_ids": [3 + i % 50, 7], "request_id": f"r{i}", "sampling": {"max_tokens": 2}} for i in range(size)]}
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        r = await c.post("/v1/rollouts", json=body)
+    assert r.status_code == 200, r.text
+    assert [x["request_id"] for x in r.json()["results"]] == [f"r{i}" for i in range(size)]
 
 
 async def test_stop_string_ends_the_sample_before_the_string(handle_client):

@@ -27,6 +27,21 @@ class AffinityRouter(RequestRouter):
     # No FIFOMixin: it hands the replica chosen for one request to the oldest pending
     # request, whatever its key. The base router fulfils exactly the request it chose for.
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Optional[Any] = None) -> None:
+        # Give the replica to the very request it was chosen for. The base router looks
+        # that request up by internal_request_id, but every handle call made while
+        # serving one HTTP request inherits that request's id: the ingress's concurrent
+        # chunks of one batch share it, the lookup finds only the first, and the others
+        # would be routed forever without ever being sent.
+        for pr in self._pending_requests_to_fulfill:
+            if pr.metadata is request_metadata and not pr.future.done():
+                self._record_queue_wait_time(pr)
+                pr.future.set_result(replica)
+                if self._pending_requests_by_id.get(request_metadata.internal_request_id) is pr:
+                    self._remove_pending_request_from_indices(pr)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
     def initialize_state(self, max_imbalance: float = 0.25, prefix_tokens: int = 32, prefix_chars: int = 128, **kwargs):
         self.max_imbalance = max_imbalance
         self.prefix_tokens = prefix_tokens
