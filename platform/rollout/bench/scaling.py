@@ -93,15 +93,30 @@ async def settled_prefix_counters(metrics_url: str, app: str, attempts: int = 60
     raise RuntimeError(f"prefix-cache counters of {app} did not settle")
 
 
-def group_prompts(groups: int, seed: int = 0, length: int = 200) -> list[list[int]]:
-    """Long prompts, one per GRPO group; ``seed`` gives prompts no earlier run cached."""
+# vLLM's CPU backend caches KV in blocks of 128 tokens (GPU: 16), only whole blocks are
+# reused, and a prompt's last token is always recomputed: a prompt of k * 128 + 1 tokens
+# can hit on every token but one. A 201-token prompt could never exceed 128/201 = 0.637.
+CPU_KV_BLOCK_TOKENS = 128
+
+
+def group_prompts(groups: int, seed: int = 0, blocks: int = 2, block_tokens: int = CPU_KV_BLOCK_TOKENS) -> list[list[int]]:
+    """Long prompts, one per GRPO group, of ``blocks`` whole KV blocks plus one token;
+    ``seed`` gives prompts no earlier run cached."""
+    length = blocks * block_tokens
     return [[100 + g + 50 * seed] + [(g * 31 + i + 7 * seed) % 1000 + 3 for i in range(length)] for g in range(groups)]
+
+
+def best_hit_rate(prompt_tokens: int, block_tokens: int = CPU_KV_BLOCK_TOKENS) -> float:
+    """The highest prefix-cache hit rate a prompt of this length can reach."""
+    return (prompt_tokens - 1) // block_tokens * block_tokens / prompt_tokens
 
 
 async def grouped_workload(client: RolloutClient, app: str, metrics_url: str, prompts: list[list[int]], calls: int, n: int, max_tokens: int) -> dict[str, float]:
     """Each group's samples arrive as ``calls`` separate calls of ``n`` samples (all groups
-    concurrently per call). The hit rate counts the follow-up calls: a group's first call
-    misses on any router."""
+    concurrently per call), as when rollout workers each ask for one sample of a group.
+    The hit rate counts the follow-up calls: a group's first call misses on any router.
+    Keep ``n`` at 1 to measure routing: the samples of one call share a replica on any
+    router, and later siblings hit the blocks their first sibling just computed."""
     sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True)
 
     async def one_call_per_group() -> int:
@@ -128,7 +143,9 @@ async def _routing(model_dir: Path) -> dict[str, Any]:
         await asyncio.to_thread(deploy, cfg)
         client = RolloutClient.connect(app_name=cfg.app_name)
         await client.generate([RolloutRequest(prompt="warm-up", sampling=SamplingConfig(max_tokens=4))] * 4)
-        out[policy] = await grouped_workload(client, cfg.app_name, metrics_url, group_prompts(16, seed), calls=4, n=4, max_tokens=32)
+        prompts = group_prompts(16, seed)
+        out[policy] = await grouped_workload(client, cfg.app_name, metrics_url, prompts, calls=8, n=1, max_tokens=32)
+        out[policy]["best_possible_hit_rate"] = best_hit_rate(len(prompts[0]))
         serve.delete(cfg.app_name)
     return out
 
