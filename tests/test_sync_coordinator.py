@@ -53,3 +53,33 @@ async def test_rounds_run_one_at_a_time_and_a_second_publisher_gets_a_clear_erro
     await c.begin_round(None, SPECS, None, "127.0.0.1", 1)
     with pytest.raises(Exception, match="one at a time"):
         await c.begin_round(None, SPECS, None, "127.0.0.1", 2)
+
+
+async def commit(c: WeightSyncCoordinator, plan, members=("a",)):
+    for rid in members:
+        asyncio.get_running_loop().create_task(c.report(plan.round_id, rid, None))
+    finish = asyncio.create_task(c.finish(plan.round_id))
+    await asyncio.sleep(0.05)
+    for rid in members:
+        await c.applied(plan.round_id, rid, plan.version)
+    assert (await finish).committed
+
+
+async def test_rounds_reuse_the_transfer_group_until_membership_changes_or_a_round_fails():
+    c = coordinator()
+    await c.register("a", 1, 0, SPECS)
+    first = await c.begin_round(None, SPECS, None, "10.0.0.1", 1001)
+    assert first.group == first.round_id, "the first round forms a group of its own"
+    await commit(c, first)
+    second = await c.begin_round(None, SPECS, None, "10.0.0.1", 1002, first.group)
+    assert (second.group, second.master_port) == (first.group, 1001), "same members: the kept group"
+    await commit(c, second)
+    third = await c.begin_round(None, SPECS, None, "10.0.0.1", 1003, "some-other-group")
+    assert third.group == third.round_id and third.master_port == 1003, "the publisher no longer holds it"
+    await commit(c, third)
+    await c.register("b", 1, 0, SPECS)
+    fourth = await c.begin_round(None, SPECS, None, "10.0.0.1", 1004, third.group)
+    assert fourth.group == fourth.round_id, "a new member: a new group"
+    await c.report(fourth.round_id, "b", "receive failed")
+    fifth = await c.begin_round(None, SPECS, None, "10.0.0.1", 1005, fourth.group)
+    assert fifth.group == fifth.round_id, "after an abort some participants dropped the group"

@@ -53,3 +53,63 @@ def test_packed_buckets_round_trip_every_tensor():
         assert buf.numel() == bucket_bytes_of(bs)
         for name, t in unpack(buf, bs):
             assert torch.equal(t, tensors[name])
+
+
+def test_pipelined_buckets_arrive_intact_at_every_receiver_and_a_kept_group_serves_the_next_round():
+    import threading
+
+    from rollout.sync.backends.gloo_group import GroupSlot
+    from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
+    from rollout.sync.publisher import _free_port
+
+    specs_tensors = {f"t{i}": torch.randn(i + 3, 5) for i in range(7)}
+    specs = [ParamSpec.of(n, t) for n, t in specs_tensors.items()]
+    port, world = _free_port(), 3
+    slots = [GroupSlot() for _ in range(world)]
+    received: dict[int, dict[str, torch.Tensor]] = {}
+    groups_of_round = []
+
+    def receiver(rank: int) -> None:
+        group = slots[rank].join("g", "127.0.0.1", port, rank, world, 30.0)
+        received[rank] = {n: t.clone() for named in receive_buckets(group, specs, 200) for n, t in named}
+
+    for round_no in range(2):
+        threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+        for t in threads:
+            t.start()
+        sender = slots[0].join("g", "127.0.0.1", port, 0, world, 30.0)
+        scaled = [t * (round_no + 1) for t in specs_tensors.values()]
+        send_buckets(sender, specs, scaled, 200)  # several buckets of at most 200 bytes
+        for t in threads:
+            t.join(30)
+        for rank in (1, 2):
+            assert all(torch.equal(received[rank][s.name], x) for s, x in zip(specs, scaled)), (round_no, rank)
+        groups_of_round.append([s.group for s in slots])
+    assert all(a is b for a, b in zip(*groups_of_round)), "the second round ran on the groups of the first"
+
+
+def test_receives_posted_at_join_take_the_first_buckets_and_must_match_the_update():
+    import threading
+
+    from rollout.sync.backends.gloo_group import GlooGroup
+    from rollout.sync.backends.gloo_stream import BucketReceiver, receive_buckets, send_buckets
+    from rollout.sync.publisher import _free_port
+    from rollout.sync.wire import bucket_sizes
+
+    tensors = {f"t{i}": torch.randn(4, i + 2) for i in range(5)}
+    specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
+    port = _free_port()
+    groups = {}
+    joined = [threading.Thread(target=lambda r=r: groups.__setitem__(r, GlooGroup("127.0.0.1", port, r, 2, 30.0, "g"))) for r in (0, 1)]
+    for t in joined:
+        t.start()
+    for t in joined:
+        t.join(30)
+    receiver = BucketReceiver(groups[1], bucket_sizes(specs, 100))  # posted before anything is sent
+    sender = threading.Thread(target=send_buckets, args=(groups[0], specs, list(tensors.values()), 100))
+    sender.start()
+    got = {n: t.clone() for named in receive_buckets(groups[1], specs, 100, receiver) for n, t in named}
+    sender.join(30)
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
+    with pytest.raises(ValueError, match="bucket_sizes"):
+        next(receive_buckets(groups[1], specs, 100, BucketReceiver(groups[1], [])))

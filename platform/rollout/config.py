@@ -240,7 +240,12 @@ class SyncConfig(_Section):
         le=1_000_000,
         description="Most versions a replica may lag the committed version and still start requests (a request's own `min_weight_version` can ask for more); unset: no bound.",
     )
-    bucket_bytes: int = Field(default=256 << 20, ge=1 << 16, le=8 << 30, description="Packed transfer bucket size in bytes, 64 KiB..8 GiB.")
+    bucket_bytes: int = Field(
+        default=32 << 20,
+        ge=1 << 16,
+        le=8 << 30,
+        description="Packed transfer bucket size in bytes, 64 KiB..8 GiB. Two buckets per participant are in flight at once; smaller buckets overlap loading with transfer more finely.",
+    )
     token_env: str = Field(default="ROLLOUT_SYNC_TOKEN", description="Environment variable holding the token trainers must present; unset means no token is required (a warning is logged).")
     allowed_service_accounts: list[str] = Field(
         default_factory=list,

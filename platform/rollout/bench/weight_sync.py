@@ -86,6 +86,19 @@ def _floor_and_per_tensor(tensors: dict[str, torch.Tensor], receivers_n: int) ->
     return {"floor_s": statistics.median(floor), "per_tensor_s": statistics.median(per_tensor), "floor_rounds": floor, "per_tensor_rounds": per_tensor}
 
 
+def _phases(publisher) -> dict[str, float]:
+    """One round's seconds per step: the trainer's (open, send, commit) and each
+    replica's (pause, join, start, receive, decision, finish, resume), replicas in a fixed order."""
+    out = {f"trainer.{k}": v for k, v in publisher.last_phases.items()}
+    for i, (_, steps) in enumerate(sorted(publisher.last_outcome.phases.items())):
+        out.update({f"replica{i}.{k}": v for k, v in steps.items()})
+    return out
+
+
+def _median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rounds if k in r) for k in rounds[0]}
+
+
 def run(out_root: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -109,11 +122,12 @@ def run(out_root: Path) -> dict[str, Any]:
                 if replicas > 1:
                     deploy(cfg.model_copy(update={"deployment": cfg.deployment.model_copy(update={"replicas": replicas})}))
                 publisher.publish(tensors)  # warm-up (first group formation, first load)
-                rounds = []
+                rounds, phases = [], []
                 for _ in range(REPEATS):
                     t0 = time.perf_counter()
                     publisher.publish(tensors)
                     rounds.append(time.perf_counter() - t0)
+                    phases.append(_phases(publisher))
                 # The coordinator's copy receives too: the same number of receivers.
                 baseline = _floor_and_per_tensor(tensors, replicas + 1)
                 publish_s = statistics.median(rounds)
@@ -123,6 +137,7 @@ def run(out_root: Path) -> dict[str, Any]:
                         "receivers": replicas + 1,
                         "publish_s": publish_s,
                         "publish_rounds": rounds,
+                        "publish_phases_s": _median_phases(phases),
                         **baseline,
                         "publish_vs_floor": publish_s / baseline["floor_s"],
                         "per_tensor_vs_publish": baseline["per_tensor_s"] / publish_s,

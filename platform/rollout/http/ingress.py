@@ -198,7 +198,7 @@ class HttpIngress:
     @app.post("/v1/sync/rounds", dependencies=[Depends(require_key)])
     async def sync_begin(self, body: BeginRoundBody, request: Request) -> dict:
         plan = await self._call_coordinator(
-            "begin_round", request.headers.get(SYNC_TOKEN_HEADER), body.params, body.version, body.master_address, body.master_port
+            "begin_round", request.headers.get(SYNC_TOKEN_HEADER), body.params, body.version, body.master_address, body.master_port, body.reuse_group
         )
         return PLAN.dump_python(plan, mode="json")
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 logger = logging.getLogger(__name__)
+_logged_unknown: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,11 @@ def rank(key: Optional[str], replicas: Sequence[ReplicaLoad], max_imbalance: flo
         return []
     known = sorted((r for r in replicas if r.load is not None), key=lambda r: (r.load, r.replica_id))
     unknown = sorted((r for r in replicas if r.load is None), key=lambda r: r.replica_id)
-    if unknown:
-        logger.info("no engine stats from %s: their load counts as unknown", [r.replica_id for r in unknown])
+    new_unknown = [r.replica_id for r in unknown if r.replica_id not in _logged_unknown]
+    if new_unknown:
+        # Once per replica, not once per request: a starting replica is asked about often.
+        _logged_unknown.update(new_unknown)
+        logger.info("no engine stats from %s: their load counts as unknown", new_unknown)
     by_load = [r.replica_id for r in known] + [r.replica_id for r in unknown]
     if key is None:
         return by_load

@@ -1,7 +1,7 @@
 """The replica side of weight sync: registers with the coordinator, long-polls for
 rounds and drives vLLM's native protocol on its own engine.
 
-Per round: ``pause_generation(mode)`` → ``init_weight_transfer_engine`` →
+Per round: ``init_weight_transfer_engine`` → ``pause_generation(mode)`` →
 ``start_weight_update`` → ``update_weights`` (receives every bucket) → report to the
 coordinator → on commit ``finish_weight_update(version)`` → ``resume_generation``.
 Generation stays paused from before the first tensor arrives until the round is
@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from rollout.errors import StaleWeightsError
 from rollout.sync.checkpoint import checkpoint_spec
+from rollout.sync.clock import PhaseClock
 from rollout.sync.coordinator import REREGISTER
 from rollout.sync.plan import RoundOutcome, RoundPlan
 from rollout.sync.version import version_of
@@ -149,23 +150,35 @@ class SyncAgent:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
         t = plan.timeout_s
+        clock = PhaseClock()
         error: Optional[str] = None
         started = False
         consistent = False
-        await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
         try:
-            try:
+            # Joining loads nothing, so it runs before the pause; with gloo it also posts
+            # the first receives, and those buckets arrive while the engine pauses.
+            async with clock("join"):
                 await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), t)
-                await asyncio.wait_for(self.engine.start_weight_update(), t)
-                started = True
-                await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), t)
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-                logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
-            outcome = await self._report(plan, error)
+        except Exception as e:
+            error = self._failed(plan, e)
+        async with clock("pause"):
+            await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
+        try:
+            if error is None:
+                try:
+                    async with clock("start"):
+                        await asyncio.wait_for(self.engine.start_weight_update(), t)
+                    started = True
+                    async with clock("receive"):
+                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), t)
+                except Exception as e:
+                    error = self._failed(plan, e)
+            async with clock("decision"):
+                outcome = await self._report(plan, error)
             self.committed = max(self.committed, outcome.version)
             if outcome.committed:
-                await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
+                async with clock("finish"):
+                    await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
                 self.version = plan.version
                 consistent = True
             elif started:
@@ -175,11 +188,18 @@ class SyncAgent:
                 await self._close_update()
             else:
                 consistent = True  # nothing was loaded
-            await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version)
-            return consistent
         finally:
             if consistent:
-                await self.engine.resume_generation()
+                async with clock("resume"):
+                    await self.engine.resume_generation()
+        logger.info("replica %s: %s took %s", self.replica_id, plan.round_id, clock)
+        await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version, clock.phases)
+        return consistent
+
+    def _failed(self, plan: RoundPlan, e: Exception) -> str:
+        error = f"{type(e).__name__}: {e}"
+        logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
+        return error
 
     async def _report(self, plan: RoundPlan, error: Optional[str]) -> RoundOutcome:
         """The round's decision; an unreachable coordinator counts as an abort, so the

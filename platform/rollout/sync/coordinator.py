@@ -59,6 +59,20 @@ class _Round:
     all_applied: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """A transfer group every participant of a committed round still holds."""
+
+    name: str
+    master_address: str
+    master_port: int
+    layout: tuple  # (members, world_size, keeper_rank): reusable only for the same ranks
+
+    @classmethod
+    def of(cls, plan: RoundPlan) -> "_Group":
+        return cls(plan.group, plan.master_address, plan.master_port, (plan.members, plan.world_size, plan.keeper_rank))
+
+
 def check_spec(sent: list[ParamSpec], expected: list[ParamSpec]) -> None:
     """Reject a publish whose tensors cannot be loaded, naming the first problem."""
     want = {p.name: p for p in expected}
@@ -102,6 +116,7 @@ class WeightSyncCoordinator:
         self._departed: list[str] = []
         # The keeper rides the gloo wire; with vLLM's GPU backends it would need a GPU.
         self.keeper = WeightKeeper(self.config.model.path) if backend == "gloo" else None
+        self._group: Optional[_Group] = None  # the last committed publish round's transfer group
         # Held from opening a round until its decision: one round at a time.
         self._round_lock = asyncio.Lock()
 
@@ -192,8 +207,13 @@ class WeightSyncCoordinator:
         version: Optional[int],
         master_address: str,
         master_port: int,
+        reuse_group: Optional[str] = None,
     ) -> RoundPlan:
-        """Validate a publish and open a round; no replica changes before this succeeds."""
+        """Validate a publish and open a round; no replica changes before this succeeds.
+
+        ``reuse_group`` names the transfer group the publisher still holds: the round
+        runs on it when it is the last committed round's and membership is unchanged.
+        """
         await self._authorize(token)
         if self.params is None:
             raise SyncError("no engine replica has registered yet")
@@ -202,7 +222,7 @@ class WeightSyncCoordinator:
             raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.committed_version}")
         await self._acquire_round()
         try:
-            return self._open_publish_round(version, master_address, master_port)
+            return self._open_publish_round(version, master_address, master_port, reuse_group)
         except BaseException:
             self._round_lock.release()
             raise
@@ -214,7 +234,7 @@ class WeightSyncCoordinator:
             busy = self.round.plan.round_id if self.round else "another round"
             raise SyncError(f"{busy} is still in progress after {self.config.sync.timeout_s}s; rounds run one at a time") from None
 
-    def _open_publish_round(self, version: Optional[int], master_address: str, master_port: int) -> RoundPlan:
+    def _open_publish_round(self, version: Optional[int], master_address: str, master_port: int, reuse_group: Optional[str]) -> RoundPlan:
         if version is None:
             version = self.committed_version + 1
         if version <= self.committed_version:
@@ -229,6 +249,10 @@ class WeightSyncCoordinator:
         if self.keeper is not None:
             keeper_rank, world_size = world_size, world_size + 1
         sync = self.config.sync
+        group_name = ""
+        last = self._group
+        if reuse_group is not None and last is not None and last.name == reuse_group and last.layout == (members, world_size, keeper_rank):
+            group_name, master_address, master_port = last.name, last.master_address, last.master_port
         plan = RoundPlan(
             round_id=f"round-{version}-{uuid.uuid4().hex[:8]}",
             version=version,
@@ -242,11 +266,15 @@ class WeightSyncCoordinator:
             pause_mode=sync.pause_mode,
             timeout_s=sync.timeout_s,
             keeper_rank=keeper_rank,
+            group_name=group_name,
         )
         self._start_round(plan)
         if keeper_rank is not None:
             asyncio.get_running_loop().create_task(self._keep(self.round, keeper_rank))
-        logger.info("opened %s: version %d to %d replicas (world size %d)", plan.round_id, version, len(members), world_size)
+        logger.info(
+            "opened %s: version %d to %d replicas (world size %d, %s)",
+            plan.round_id, version, len(members), world_size, f"reusing group {group_name}" if group_name else "new group",
+        )
         return plan
 
     def _start_round(self, plan: RoundPlan) -> None:
@@ -309,6 +337,7 @@ class WeightSyncCoordinator:
         except BaseException:
             self._round_lock.release()
             raise
+        self._group = None  # the restored replica leaves the publish group for this one
         rnd = self.round
         asyncio.get_running_loop().create_task(self._send_restore(rnd))
         logger.info("opened %s: restoring version %d on %s", plan.round_id, plan.version, replica_id)
@@ -346,6 +375,10 @@ class WeightSyncCoordinator:
             self.metrics.round(kind, committed, time.monotonic() - rnd.opened_at, nbytes, reason)
         if committed:
             self.committed_version = rnd.plan.version
+        if not rnd.plan.restore:
+            # Every participant keeps a committed round's group; after an abort some
+            # have dropped it, so the next round forms a new one.
+            self._group = _Group.of(rnd.plan) if committed else None
         if self.keeper is not None and not rnd.plan.restore:
             if committed:
                 self.keeper.commit(rnd.plan.round_id)
@@ -412,14 +445,17 @@ class WeightSyncCoordinator:
                 logger.warning("%s committed; %s did not confirm serving it within %ss", round_id, late, rnd.plan.timeout_s)
         return rnd.outcome
 
-    async def applied(self, round_id: str, replica_id: str, version: int) -> None:
-        """A member finished applying the decision (serving ``version`` again)."""
+    async def applied(self, round_id: str, replica_id: str, version: int, phases: Optional[dict[str, float]] = None) -> None:
+        """A member finished applying the decision (serving ``version`` again);
+        ``phases`` are its seconds per step, kept with the round's outcome."""
         r = self.replicas.get(replica_id)
         if r is not None:
             r.version = version
         self._seen(replica_id)
         rnd = self.round
         if rnd is not None and rnd.plan.round_id == round_id:
+            if rnd.outcome is not None and phases:
+                rnd.outcome.phases[replica_id] = dict(phases)
             rnd.applied.add(replica_id)
             if rnd.applied >= {m.replica_id for m in rnd.plan.members}:
                 rnd.all_applied.set()

@@ -17,10 +17,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.sync.backends.gloo_group import GlooGroup
+from rollout.sync.backends.gloo_group import GroupSlot
 from rollout.sync.backends.gloo_sender import GlooSender
+from rollout.sync.backends.gloo_stream import receive_buckets
 from rollout.sync.plan import RoundPlan
-from rollout.sync.wire import ParamSpec, bucket_bytes_of, plan_buckets, unpack
+from rollout.sync.wire import ParamSpec
 
 logger = logging.getLogger(__name__)
 
@@ -35,23 +36,21 @@ class WeightKeeper:
         # The version the copy holds: 0 is the checkpoint on disk. A restarted
         # coordinator starts here again and must not pass these off as a later version.
         self.version = 0
+        self._slot = GroupSlot()  # the publish rounds' group, kept like every member's
 
     # ---- receiving (a rank of every publish round) ----------------------------------
 
     def receive(self, plan: RoundPlan, rank: int) -> None:
         """Blocking: join ``plan``'s group as ``rank`` and stage every tensor."""
-        group = GlooGroup(plan.master_address, plan.master_port, rank, plan.world_size, plan.timeout_s, plan.round_id)
+        group = self._slot.join(plan.group, plan.master_address, plan.master_port, rank, plan.world_size, plan.timeout_s)
         staged: dict[str, torch.Tensor] = {}
         try:
-            specs = list(plan.params)
-            for bucket in plan_buckets(specs, plan.bucket_bytes):
-                bucket_specs = [specs[i] for i in bucket]
-                buffer = torch.empty(bucket_bytes_of(bucket_specs), dtype=torch.uint8)
-                group.broadcast(buffer, root=0)
-                # One buffer per bucket stays alive; the views below keep it.
-                staged.update(unpack(buffer, bucket_specs))
-        finally:
-            group.close()
+            for named in receive_buckets(group, plan.params, plan.bucket_bytes):
+                # One buffer per bucket stays alive; the views keep it.
+                staged.update(named)
+        except BaseException:
+            self._slot.drop()
+            raise
         self._staging[plan.round_id] = (plan.version, staged)
 
     def commit(self, round_id: str) -> None:
@@ -77,8 +76,12 @@ class WeightKeeper:
         return [self._committed[p.name] for p in params]
 
     def send(self, plan: RoundPlan) -> None:
-        """Blocking: act as rank 0 of a restore round."""
-        GlooSender().send(plan, self.committed(plan.params))
+        """Blocking: act as rank 0 of a restore round (a group of its own, closed after)."""
+        sender = GlooSender()
+        try:
+            sender.send(plan, self.committed(plan.params))
+        finally:
+            sender.close()
 
     def _load_checkpoint(self) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from rollout.sync.wire import ParamSpec
+from rollout.sync.wire import ParamSpec, bucket_sizes
 
 PauseMode = Literal["keep", "wait", "abort"]
 NCCL_BUFFERS = 2  # double buffering, vLLM's default for packed NCCL transfers
@@ -35,6 +35,13 @@ class RoundPlan:
     timeout_s: float
     keeper_rank: Optional[int] = None  # the coordinator's copy receives as this rank
     restore: bool = False  # sent by the keeper to bring members to the committed version
+    # The transfer group this round runs on: an earlier round's, kept by every
+    # participant while membership is unchanged, or (empty) a new one named after this round.
+    group_name: str = ""
+
+    @property
+    def group(self) -> str:
+        return self.group_name or self.round_id
 
     def member(self, replica_id: str) -> Member:
         for m in self.members:
@@ -52,7 +59,13 @@ class RoundPlan:
             world_size=self.world_size,
         )
         if self.backend == "gloo":
-            return {**common, "group_name": self.round_id, "timeout_s": self.timeout_s, "bucket_bytes": self.bucket_bytes}
+            return {
+                **common,
+                "group_name": self.group,
+                "timeout_s": self.timeout_s,
+                "bucket_bytes": self.bucket_bytes,
+                "bucket_sizes": bucket_sizes(self.params, self.bucket_bytes),
+            }
         if self.backend == "nccl":
             return {**common, "packed": True, "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": NCCL_BUFFERS}
         raise ValueError(f"backend: no init info for {self.backend!r}")
@@ -82,3 +95,5 @@ class RoundOutcome:
     version: int
     error: str = ""
     failed_replicas: list[str] = field(default_factory=list)
+    # replica -> seconds per step of the round (pause, join, receive, ...), as each reports
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)

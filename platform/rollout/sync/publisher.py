@@ -18,8 +18,9 @@ from typing import Iterable, Mapping, Optional, Union
 
 import torch
 
-from rollout.sync.backends import make_sender
+from rollout.sync.backends import Sender, make_sender
 from rollout.sync.coordinator import COORDINATOR_NAME, SyncError
+from rollout.sync.plan import RoundOutcome
 from rollout.sync.remote import CoordinatorClient, HandleCoordinator, HttpCoordinator
 from rollout.sync.wire import ParamSpec
 
@@ -81,6 +82,10 @@ class WeightPublisher:
         self.backend = backend
         self._token = token
         self.last_sync_s: Optional[float] = None
+        self.last_phases: dict[str, float] = {}
+        self.last_outcome: Optional[RoundOutcome] = None
+        # Kept across rounds: it holds the transfer group the next round may reuse.
+        self._sender: Optional[Sender] = None
 
     @classmethod
     def connect(cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None) -> "WeightPublisher":
@@ -117,18 +122,35 @@ class WeightPublisher:
         tensors = {name: t.detach().to("cpu") for name, t in items}
         specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
         address, port = _own_address(), _free_port()
-        plan = self._coordinator.begin_round(self._token, specs, version, address, port)
+        held = self._sender.group_name if self._sender is not None else None
+        plan = self._coordinator.begin_round(self._token, specs, version, address, port, held)
+        t_open = time.perf_counter()
         if self.backend not in ("auto", plan.backend):
             self._coordinator.finish(plan.round_id, f"publisher backend {self.backend!r} != platform backend {plan.backend!r}")
             raise SyncError(f"backend: the platform syncs over {plan.backend!r}, not {self.backend!r}")
-        error = _send_with_deadline(make_sender(plan.backend), plan, [tensors[p.name] for p in plan.params])
+        if self._sender is None:
+            self._sender = make_sender(plan.backend)
+        error = _send_with_deadline(self._sender, plan, [tensors[p.name] for p in plan.params])
         if error:
             logger.error("sending %s failed: %s", plan.round_id, error)
+            # A sender thread abandoned at the deadline may still hold the group.
+            self._sender = None
+        t_sent = time.perf_counter()
         outcome = self._coordinator.finish(plan.round_id, error)
+        t_done = time.perf_counter()
+        # Where the trainer's time went; the replicas' own steps are in outcome.phases.
+        self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
+        self.last_outcome = outcome
         if not outcome.committed:
             raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
-        self.last_sync_s = time.perf_counter() - t0
+        self.last_sync_s = t_done - t0
         return outcome.version
+
+    def close(self) -> None:
+        """Leave the transfer group (the next round forms a new one)."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
 
     def status(self) -> dict:
         """Committed version, replicas and their versions, the last round's outcome."""

@@ -26,6 +26,7 @@ class BeginRoundBody(BaseModel):
     version: Optional[int] = Field(default=None, ge=1)
     master_address: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
+    reuse_group: Optional[str] = Field(default=None, description="The transfer group the publisher still holds from its last round.")
 
 
 class FinishBody(BaseModel):
@@ -34,7 +35,9 @@ class FinishBody(BaseModel):
 
 
 class CoordinatorClient(Protocol):
-    def begin_round(self, token: Optional[str], params: list[ParamSpec], version: Optional[int], address: str, port: int) -> RoundPlan: ...
+    def begin_round(
+        self, token: Optional[str], params: list[ParamSpec], version: Optional[int], address: str, port: int, reuse_group: Optional[str] = None
+    ) -> RoundPlan: ...
 
     def finish(self, round_id: str, error: Optional[str]) -> RoundOutcome: ...
 
@@ -51,8 +54,8 @@ class HandleCoordinator:
         except Exception as e:
             raise unwrap_remote(e) from None
 
-    def begin_round(self, token, params, version, address, port) -> RoundPlan:
-        return self._call("begin_round", token, params, version, address, port)
+    def begin_round(self, token, params, version, address, port, reuse_group=None) -> RoundPlan:
+        return self._call("begin_round", token, params, version, address, port, reuse_group)
 
     def finish(self, round_id, error) -> RoundOutcome:
         return self._call("finish", round_id, error)
@@ -76,8 +79,14 @@ class HttpCoordinator:
         raise_for_error(resp)
         return resp.json()
 
-    def begin_round(self, token, params, version, address, port) -> RoundPlan:
-        body = {"params": SPECS.dump_python(params, mode="json"), "version": version, "master_address": address, "master_port": port}
+    def begin_round(self, token, params, version, address, port, reuse_group=None) -> RoundPlan:
+        body = {
+            "params": SPECS.dump_python(params, mode="json"),
+            "version": version,
+            "master_address": address,
+            "master_port": port,
+            "reuse_group": reuse_group,
+        }
         return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
 
     def finish(self, round_id, error) -> RoundOutcome:

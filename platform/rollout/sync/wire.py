@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = 32 << 20  # keep equal to SyncConfig.bucket_bytes
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,8 @@ def unpack(buffer: torch.Tensor, specs: Sequence[ParamSpec]) -> Iterator[tuple[s
 
 def bucket_bytes_of(specs: Sequence[ParamSpec]) -> int:
     return sum(s.nbytes for s in specs)
+
+
+def bucket_sizes(specs: Sequence[ParamSpec], bucket_bytes: int) -> list[int]:
+    """Byte size of each bucket of :func:`plan_buckets`, in order."""
+    return [bucket_bytes_of([specs[i] for i in b]) for b in plan_buckets(specs, bucket_bytes)]

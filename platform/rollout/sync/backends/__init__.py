@@ -6,7 +6,7 @@ The receiving side of each transport is a vLLM weight-transfer engine (vLLM's ow
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -14,8 +14,15 @@ from rollout.sync.plan import RoundPlan
 
 
 class Sender(Protocol):
+    @property
+    def group_name(self) -> Optional[str]:
+        """The transfer group kept from the last round, if the transport can reuse it."""
+
     def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
         """Deliver ``tensors`` (in ``plan.params`` order) to every rank of the round."""
+
+    def close(self) -> None:
+        """Release the transfer group."""
 
 
 def make_sender(backend: str) -> Sender:

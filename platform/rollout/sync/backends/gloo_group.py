@@ -1,13 +1,17 @@
 """A gloo process group over a TCPStore, outside torch.distributed's global state.
 
-The trainer (rank 0) hosts the store; every engine worker joins as
-``rank_offset + its rank within the engine``. One group per sync round, so a round
-never inherits a dead rank from an earlier membership.
+The round's sender (the trainer, or the keeper in a restore round) is rank 0 and hosts
+the store; every engine worker joins as ``rank_offset + its rank within the engine``.
+A group outlives its round while membership stays the same (:class:`GroupSlot`):
+forming one costs a rendezvous and a full mesh of connections, hundreds of
+milliseconds on a busy host. Any failure drops it, and a membership change names a
+new one, so a round never inherits a dead rank.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +20,7 @@ import torch.distributed as dist
 class GlooGroup:
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float, name: str):
         timeout = timedelta(seconds=timeout_s)
+        self.name = name
         self.rank = rank
         self.world_size = world_size
         # The store's own timeout bounds the rendezvous: a rank that never joins
@@ -26,11 +31,16 @@ class GlooGroup:
         prefixed = dist.PrefixStore(name, self._store)
         self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+    def broadcast_async(self, tensor: torch.Tensor, root: int = 0):
+        """Start a broadcast; ``.wait()`` on the result. gloo runs it on its own
+        threads, so the caller can pack or load another bucket meanwhile."""
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        self._pg.broadcast([tensor], opts).wait()
+        return self._pg.broadcast([tensor], opts)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        self.broadcast_async(tensor, root).wait()
 
     def barrier(self) -> None:
         self.broadcast(torch.zeros(1, dtype=torch.uint8))
@@ -38,3 +48,27 @@ class GlooGroup:
     def close(self) -> None:
         self._pg = None
         self._store = None
+
+
+class GroupSlot:
+    """One participant's transfer group across rounds: kept while rounds name the same
+    group, re-formed when they name another, dropped by :meth:`drop` after a failure."""
+
+    def __init__(self) -> None:
+        self.group: Optional[GlooGroup] = None
+
+    @property
+    def name(self) -> Optional[str]:
+        return self.group.name if self.group is not None else None
+
+    def join(self, name: str, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> GlooGroup:
+        if self.group is not None and self.group.name == name and self.group.rank == rank and self.group.world_size == world_size:
+            return self.group
+        self.drop()
+        self.group = GlooGroup(master_address, master_port, rank, world_size, timeout_s, name)
+        return self.group
+
+    def drop(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from rollout.sync.backends.gloo_group import GlooGroup
+from rollout.sync.backends.gloo_group import GroupSlot
+from rollout.sync.backends.gloo_stream import send_buckets
 from rollout.sync.plan import RoundPlan
-from rollout.sync.wire import pack, plan_buckets
 
 
 class GlooSender:
+    def __init__(self) -> None:
+        self._slot = GroupSlot()
+
+    @property
+    def group_name(self) -> Optional[str]:
+        """The group this sender still holds; offered to the coordinator for reuse."""
+        return self._slot.name
+
     def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
-        group = GlooGroup(plan.master_address, plan.master_port, 0, plan.world_size, plan.timeout_s, plan.round_id)
+        group = self._slot.join(plan.group, plan.master_address, plan.master_port, 0, plan.world_size, plan.timeout_s)
         try:
-            for bucket in plan_buckets(plan.params, plan.bucket_bytes):
-                group.broadcast(pack(tensors[i] for i in bucket), root=0)
-        finally:
-            group.close()
+            send_buckets(group, plan.params, tensors, plan.bucket_bytes)
+        except BaseException:
+            self._slot.drop()
+            raise
+
+    def close(self) -> None:
+        self._slot.drop()

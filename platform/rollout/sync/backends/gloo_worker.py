@@ -7,17 +7,17 @@ so ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from rollout.sync.backends.gloo_group import GlooGroup
-from rollout.sync.wire import DEFAULT_BUCKET_BYTES, ParamSpec, bucket_bytes_of, plan_buckets, unpack
+from rollout.sync.backends.gloo_group import GroupSlot
+from rollout.sync.backends.gloo_stream import BucketReceiver, receive_buckets
+from rollout.sync.wire import DEFAULT_BUCKET_BYTES, ParamSpec
 
 
 @dataclass
@@ -29,6 +29,9 @@ class GlooInitInfo(WeightTransferInitInfo):
     group_name: str
     timeout_s: float = 60.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    # Byte sizes of the round's buckets: receiving starts at init, so the first buckets
+    # arrive while the engine pauses. Empty: receiving starts at update_weights.
+    bucket_sizes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -55,17 +58,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
-        self.group: GlooGroup | None = None
+        self.slot = GroupSlot()
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.receiver: BucketReceiver | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        self.shutdown()
+        # Called every round; joins (or keeps) the group the round names.
+        if self.receiver is not None:
+            # An earlier round posted receives it never consumed: that group's stream
+            # is out of step with its sender. Start from a new group.
+            self.shutdown()
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.bucket_bytes = init_info.bucket_bytes
-        self.group = GlooGroup(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s, init_info.group_name
-        )
+        group = self.slot.join(init_info.group_name, init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s)
+        if init_info.bucket_sizes:
+            self.receiver = BucketReceiver(group, init_info.bucket_sizes)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -88,24 +96,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             # start_weight_update. Finalizing materializes them again (with a mix of
             # weights, never served: the replica stays paused until a restore round
             # overwrites every tensor).
+            # Dropping the group closes our sockets, so a sender still writing to us
+            # gets an error instead of blocking forever; the next round forms a new one.
+            self.shutdown()
             self.finish_weight_update()
             raise
-        finally:
-            # One group per round: closing it now also closes our sockets, so a sender
-            # still writing to us gets an error instead of blocking forever.
-            self.shutdown()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.group is None:
+        if self.slot.group is None:
             raise RuntimeError("gloo weight transfer is not initialised: call init_weight_transfer_engine first")
-        specs = update_info.specs()
-        for bucket in plan_buckets(specs, self.bucket_bytes):
-            bucket_specs = [specs[i] for i in bucket]
-            buffer = torch.empty(bucket_bytes_of(bucket_specs), dtype=torch.uint8)
-            self.group.broadcast(buffer, root=0)
-            self.model.load_weights(list(unpack(buffer, bucket_specs)))
+        # vLLM's layerwise reload may hold the views until a layer is complete:
+        # receive_buckets gives every bucket its own buffer.
+        receiver, self.receiver = self.receiver, None
+        for named in receive_buckets(self.slot.group, update_info.specs(), self.bucket_bytes, receiver):
+            self.model.load_weights(named)
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.receiver = None
+        self.slot.drop()

@@ -20,6 +20,12 @@ from rollout.sync.plan import NCCL_BUFFERS, RoundPlan
 
 
 class NcclSender:
+    # vLLM's NCCL engine forms a new communicator at every init: nothing to reuse.
+    group_name = None
+
+    def close(self) -> None:
+        pass
+
     def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
