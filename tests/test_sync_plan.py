@@ -87,29 +87,3 @@ def test_pipelined_buckets_arrive_intact_at_every_receiver_and_a_kept_group_serv
         groups_of_round.append([s.group for s in slots])
     assert all(a is b for a, b in zip(*groups_of_round)), "the second round ran on the groups of the first"
 
-
-def test_receives_posted_at_join_take_the_first_buckets_and_must_match_the_update():
-    import threading
-
-    from rollout.sync.backends.gloo_group import GlooGroup
-    from rollout.sync.backends.gloo_stream import BucketReceiver, receive_buckets, send_buckets
-    from rollout.sync.publisher import _free_port
-    from rollout.sync.wire import bucket_sizes
-
-    tensors = {f"t{i}": torch.randn(4, i + 2) for i in range(5)}
-    specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
-    port = _free_port()
-    groups = {}
-    joined = [threading.Thread(target=lambda r=r: groups.__setitem__(r, GlooGroup("127.0.0.1", port, r, 2, 30.0, "g"))) for r in (0, 1)]
-    for t in joined:
-        t.start()
-    for t in joined:
-        t.join(30)
-    receiver = BucketReceiver(groups[1], bucket_sizes(specs, 100))  # posted before anything is sent
-    sender = threading.Thread(target=send_buckets, args=(groups[0], specs, list(tensors.values()), 100))
-    sender.start()
-    got = {n: t.clone() for named in receive_buckets(groups[1], specs, 100, receiver) for n, t in named}
-    sender.join(30)
-    assert all(torch.equal(got[n], t) for n, t in tensors.items())
-    with pytest.raises(ValueError, match="bucket_sizes"):
-        next(receive_buckets(groups[1], specs, 100, BucketReceiver(groups[1], [])))

@@ -1,7 +1,7 @@
 """The replica side of weight sync: registers with the coordinator, long-polls for
 rounds and drives vLLM's native protocol on its own engine.
 
-Per round: ``init_weight_transfer_engine`` → ``pause_generation(mode)`` →
+Per round: ``pause_generation(mode)`` → ``init_weight_transfer_engine`` →
 ``start_weight_update`` → ``update_weights`` (receives every bucket) → report to the
 coordinator → on commit ``finish_weight_update(version)`` → ``resume_generation``.
 Generation stays paused from before the first tensor arrives until the round is
@@ -154,25 +154,20 @@ class SyncAgent:
         error: Optional[str] = None
         started = False
         consistent = False
-        try:
-            # Joining loads nothing, so it runs before the pause; with gloo it also posts
-            # the first receives, and those buckets arrive while the engine pauses.
-            async with clock("join"):
-                await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), t)
-        except Exception as e:
-            error = self._failed(plan, e)
         async with clock("pause"):
             await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
         try:
-            if error is None:
-                try:
-                    async with clock("start"):
-                        await asyncio.wait_for(self.engine.start_weight_update(), t)
-                    started = True
-                    async with clock("receive"):
-                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), t)
-                except Exception as e:
-                    error = self._failed(plan, e)
+            try:
+                async with clock("join"):
+                    await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), t)
+                async with clock("start"):
+                    await asyncio.wait_for(self.engine.start_weight_update(), t)
+                started = True
+                async with clock("receive"):
+                    await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), t)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
             async with clock("decision"):
                 outcome = await self._report(plan, error)
             self.committed = max(self.committed, outcome.version)
@@ -195,11 +190,6 @@ class SyncAgent:
         logger.info("replica %s: %s took %s", self.replica_id, plan.round_id, clock)
         await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version, clock.phases)
         return consistent
-
-    def _failed(self, plan: RoundPlan, e: Exception) -> str:
-        error = f"{type(e).__name__}: {e}"
-        logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
-        return error
 
     async def _report(self, plan: RoundPlan, error: Optional[str]) -> RoundOutcome:
         """The round's decision; an unreachable coordinator counts as an abort, so the

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from rollout.sync.wire import ParamSpec, bucket_sizes
+from rollout.sync.wire import ParamSpec
 
 PauseMode = Literal["keep", "wait", "abort"]
 NCCL_BUFFERS = 2  # double buffering, vLLM's default for packed NCCL transfers
@@ -59,13 +59,7 @@ class RoundPlan:
             world_size=self.world_size,
         )
         if self.backend == "gloo":
-            return {
-                **common,
-                "group_name": self.group,
-                "timeout_s": self.timeout_s,
-                "bucket_bytes": self.bucket_bytes,
-                "bucket_sizes": bucket_sizes(self.params, self.bucket_bytes),
-            }
+            return {**common, "group_name": self.group, "timeout_s": self.timeout_s, "bucket_bytes": self.bucket_bytes}
         if self.backend == "nccl":
             return {**common, "packed": True, "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": NCCL_BUFFERS}
         raise ValueError(f"backend: no init info for {self.backend!r}")

@@ -71,7 +71,3 @@ def unpack(buffer: torch.Tensor, specs: Sequence[ParamSpec]) -> Iterator[tuple[s
 def bucket_bytes_of(specs: Sequence[ParamSpec]) -> int:
     return sum(s.nbytes for s in specs)
 
-
-def bucket_sizes(specs: Sequence[ParamSpec], bucket_bytes: int) -> list[int]:
-    """Byte size of each bucket of :func:`plan_buckets`, in order."""
-    return [bucket_bytes_of([specs[i] for i in b]) for b in plan_buckets(specs, bucket_bytes)]

@@ -7,7 +7,7 @@ so ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -16,7 +16,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rollout.sync.backends.gloo_group import GroupSlot
-from rollout.sync.backends.gloo_stream import BucketReceiver, receive_buckets
+from rollout.sync.backends.gloo_stream import receive_buckets
 from rollout.sync.wire import DEFAULT_BUCKET_BYTES, ParamSpec
 
 
@@ -29,9 +29,6 @@ class GlooInitInfo(WeightTransferInitInfo):
     group_name: str
     timeout_s: float = 60.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    # Byte sizes of the round's buckets: receiving starts at init, so the first buckets
-    # arrive while the engine pauses. Empty: receiving starts at update_weights.
-    bucket_sizes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -60,20 +57,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.slot = GroupSlot()
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
-        self.receiver: BucketReceiver | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         # Called every round; joins (or keeps) the group the round names.
-        if self.receiver is not None:
-            # An earlier round posted receives it never consumed: that group's stream
-            # is out of step with its sender. Start from a new group.
-            self.shutdown()
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.bucket_bytes = init_info.bucket_bytes
-        group = self.slot.join(init_info.group_name, init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s)
-        if init_info.bucket_sizes:
-            self.receiver = BucketReceiver(group, init_info.bucket_sizes)
+        self.slot.join(init_info.group_name, init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -107,10 +97,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("gloo weight transfer is not initialised: call init_weight_transfer_engine first")
         # vLLM's layerwise reload may hold the views until a layer is complete:
         # receive_buckets gives every bucket its own buffer.
-        receiver, self.receiver = self.receiver, None
-        for named in receive_buckets(self.slot.group, update_info.specs(), self.bucket_bytes, receiver):
+        for named in receive_buckets(self.slot.group, update_info.specs(), self.bucket_bytes):
             self.model.load_weights(named)
 
     def shutdown(self) -> None:
-        self.receiver = None
         self.slot.drop()
