@@ -42,15 +42,11 @@ class WeightKeeper:
 
     def receive(self, plan: RoundPlan, rank: int) -> None:
         """Blocking: join ``plan``'s group as ``rank`` and stage every tensor."""
-        group = self._slot.join(plan.group, plan.master_address, plan.master_port, rank, plan.world_size, plan.timeout_s)
         staged: dict[str, torch.Tensor] = {}
-        try:
+        with self._slot.use(plan.group, plan.master_address, plan.master_port, rank, plan.world_size, plan.timeout_s) as group:
             for named in receive_buckets(group, plan.params, plan.bucket_bytes):
                 # One buffer per bucket stays alive; the views keep it.
                 staged.update(named)
-        except BaseException:
-            self._slot.drop()
-            raise
         self._staging[plan.round_id] = (plan.version, staged)
 
     def commit(self, round_id: str) -> None:

@@ -10,8 +10,9 @@ new one, so a round never inherits a dead rank.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,17 @@ class GroupSlot:
         self.drop()
         self.group = GlooGroup(master_address, master_port, rank, world_size, timeout_s, name)
         return self.group
+
+    @contextmanager
+    def use(self, name: str, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> Iterator[GlooGroup]:
+        """:meth:`join` for the length of one transfer; a failure inside drops the group
+        (peers may be gone or out of step), so the next round forms a new one."""
+        group = self.join(name, master_address, master_port, rank, world_size, timeout_s)
+        try:
+            yield group
+        except BaseException:
+            self.drop()
+            raise
 
     def drop(self) -> None:
         if self.group is not None:

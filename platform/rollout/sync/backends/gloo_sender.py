@@ -21,12 +21,8 @@ class GlooSender:
         return self._slot.name
 
     def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
-        group = self._slot.join(plan.group, plan.master_address, plan.master_port, 0, plan.world_size, plan.timeout_s)
-        try:
+        with self._slot.use(plan.group, plan.master_address, plan.master_port, 0, plan.world_size, plan.timeout_s) as group:
             send_buckets(group, plan.params, tensors, plan.bucket_bytes)
-        except BaseException:
-            self._slot.drop()
-            raise
 
     def close(self) -> None:
         self._slot.drop()

@@ -34,18 +34,15 @@ def receive_buckets(group: GlooGroup, params: Sequence[ParamSpec], bucket_bytes:
     buckets posted meanwhile. Every bucket has a buffer of its own, so a consumer may
     keep the views."""
     buckets = [[params[i] for i in b] for b in plan_buckets(params, bucket_bytes)]
-    posted: deque = deque()
 
-    def post_ahead(next_index: int) -> int:
-        while len(posted) < IN_FLIGHT and next_index < len(buckets):
-            buffer = torch.empty(bucket_bytes_of(buckets[next_index]), dtype=torch.uint8)
-            posted.append((buffer, group.broadcast_async(buffer)))
-            next_index += 1
-        return next_index
+    def post(specs: list[ParamSpec]):
+        buffer = torch.empty(bucket_bytes_of(specs), dtype=torch.uint8)
+        return buffer, group.broadcast_async(buffer)
 
-    next_index = post_ahead(0)
-    for specs in buckets:
+    posted = deque(post(specs) for specs in buckets[:IN_FLIGHT])
+    for k, specs in enumerate(buckets):
         buffer, work = posted.popleft()
         work.wait()
-        next_index = post_ahead(next_index)
+        if k + IN_FLIGHT < len(buckets):
+            posted.append(post(buckets[k + IN_FLIGHT]))
         yield list(unpack(buffer, specs))

@@ -81,14 +81,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         try:
             self.receive_weights(self.parse_update_info(update_info))
         except BaseException:
+            # Dropping the group closes our sockets, so a sender still writing to us
+            # gets an error instead of blocking forever; the next round forms a new one.
+            self.shutdown()
             # vLLM's worker ends the update session on error without finishing it,
             # which would leave layers on the meta device and break the next
             # start_weight_update. Finalizing materializes them again (with a mix of
             # weights, never served: the replica stays paused until a restore round
             # overwrites every tensor).
-            # Dropping the group closes our sockets, so a sender still writing to us
-            # gets an error instead of blocking forever; the next round forms a new one.
-            self.shutdown()
             self.finish_weight_update()
             raise
 
