@@ -83,3 +83,45 @@ async def test_rounds_reuse_the_transfer_group_until_membership_changes_or_a_rou
     await c.report(fourth.round_id, "b", "receive failed")
     fifth = await c.begin_round(None, SPECS, None, "10.0.0.1", 1005, fourth.group)
     assert fifth.group == fifth.round_id, "after an abort some participants dropped the group"
+
+
+def ipc_coordinator() -> WeightSyncCoordinator:
+    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1}}, "ipc")
+    c._token = None
+    return c
+
+
+async def test_an_ipc_round_carries_the_publishers_handles_to_every_member_and_keeps_no_copy():
+    c = ipc_coordinator()
+    await c.register("a", 1, 0, SPECS)
+    handles = {"ipc_handles_pickled": "aGFuZGxlcw=="}
+    plan = await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, handles)
+    assert plan.update_info()["ipc_handles_pickled"] == handles["ipc_handles_pickled"]
+    assert plan.keeper_rank is None and c.keeper is None
+    await commit(c, plan)
+    assert c.committed_version == 1
+
+
+@pytest.mark.parametrize(
+    "backend, transfer_info",
+    [("ipc", None), ("ipc", {"ipc_handles_pickled": ""}), ("ipc", {"ipc_handles_pickled": "x", "extra": 1}), ("gloo", {"ipc_handles_pickled": "x"})],
+)
+async def test_transfer_info_that_does_not_fit_the_backend_is_rejected_before_a_round_opens(backend, transfer_info):
+    from rollout.errors import InvalidRequestError
+
+    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1}}, backend)
+    c._token = None
+    await c.register("a", 1, 0, SPECS)
+    with pytest.raises(InvalidRequestError, match="transfer_info") as e:
+        await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, transfer_info)
+    assert e.value.field.startswith("transfer_info")
+    assert c.round is None, "no round opened, no replica woke"
+
+
+def test_ipc_handles_never_travel_over_http():
+    from rollout.sync.coordinator import SyncError
+    from rollout.sync.remote import HttpCoordinator
+
+    client = HttpCoordinator("http://127.0.0.1:9", None, 1.0)  # nothing listens: it must refuse before sending
+    with pytest.raises(SyncError, match="cannot travel over HTTP"):
+        client.begin_round(None, SPECS, None, "127.0.0.1", 1, None, {"ipc_handles_pickled": "x"})

@@ -87,3 +87,29 @@ def test_pipelined_buckets_arrive_intact_at_every_receiver_and_a_kept_group_serv
         groups_of_round.append([s.group for s in slots])
     assert all(a is b for a, b in zip(*groups_of_round)), "the second round ran on the groups of the first"
 
+
+
+def test_ipc_plans_produce_vllms_own_ipc_init_and_update_info(monkeypatch):
+    import base64
+    import pickle
+    from dataclasses import replace
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
+
+    handles = [{"GPU-uuid": ("rebuild", "args")}]
+    ipc = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()})
+    assert IPCWeightTransferInitInfo(**ipc.init_info("a")).packed is False
+    # vLLM reads pickled handles only where insecure serialization is allowed, as it is
+    # in ipc replicas (rollout.engine.replica sets it for them).
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    info = IPCWeightTransferUpdateInfo(**ipc.update_info())
+    assert (info.names, info.shapes, info.ipc_handles) == (["w"], [[2, 3]], handles)
+
+
+def test_ipc_publishers_need_a_cuda_device_and_say_so():
+    sender = make_sender("ipc")
+    assert sender.group_name is None
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; tests/test_gpu_senders.py covers the real handles")
+    with pytest.raises(RuntimeError, match="backend: 'ipc'.*no CUDA device"):
+        sender.offer([torch.zeros(2)])

@@ -225,9 +225,9 @@ class SyncConfig(_Section):
     """Weight sync from trainer jobs into every replica."""
 
     enabled: bool = Field(default=True, description="Deploy the weight-sync coordinator and let trainers publish weights.")
-    backend: Literal["auto", "gloo", "nccl"] = Field(
+    backend: Literal["auto", "gloo", "nccl", "ipc"] = Field(
         default="auto",
-        description="Transport between trainer and engines: `gloo` (CPU; ours, with the coordinator's weight copy for catch-up and rollback), `nccl` (GPU; vLLM's engine); `auto` picks by device.",
+        description="Transport between trainer and engines: `gloo` (CPU; ours, with the coordinator's weight copy for catch-up and rollback), `nccl` (GPU; vLLM's engine), `ipc` (GPU, a trainer on the replicas' GPU; vLLM's CUDA IPC engine, zero-copy); `auto` picks `gloo` or `nccl` by device.",
     )
     pause_mode: Literal["keep", "wait", "abort"] = Field(
         default="keep",

@@ -62,6 +62,10 @@ class RolloutEngine:
             from rollout.sync.vllm_plugin import register
 
             register()  # this process resolves the backend name before vLLM loads plugins
+            if sync_backend == "ipc":
+                # vLLM's IPC engine takes the trainer's CUDA IPC handles only as pickles
+                # (see rollout.sync.backends.ipc_sender); engine processes inherit this.
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=sync_backend)
         args = AsyncEngineArgs(**kwargs)
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.snapshot), *stat_loggers])

@@ -91,6 +91,23 @@ def check_spec(sent: list[ParamSpec], expected: list[ParamSpec]) -> None:
             raise InvalidRequestError(f"named_tensors[{name}]", f"dtype {p.dtype} does not match the model's {w.dtype}")
 
 
+def check_transfer_info(backend: str, transfer_info: Optional[dict]) -> None:
+    """Replicas of a pull backend (``ipc``) need the publisher's handles; the others need none."""
+    if backend != "ipc":
+        if transfer_info is not None:
+            raise InvalidRequestError("transfer_info", f"the {backend!r} backend takes no transfer_info (it carries 'ipc' handles)")
+        return
+    from rollout.sync.backends.ipc_sender import IPC_HANDLES
+
+    handles = (transfer_info or {}).get(IPC_HANDLES)
+    if not isinstance(handles, str) or not handles or set(transfer_info) != {IPC_HANDLES}:
+        raise InvalidRequestError(
+            f"transfer_info.{IPC_HANDLES}",
+            "the 'ipc' backend needs the publisher's CUDA IPC handles (and nothing else); "
+            "publish with WeightPublisher.connect from a process on the replicas' GPU node",
+        )
+
+
 class WeightSyncCoordinator:
     """Serve deployment class (exactly one replica)."""
 
@@ -208,21 +225,24 @@ class WeightSyncCoordinator:
         master_address: str,
         master_port: int,
         reuse_group: Optional[str] = None,
+        transfer_info: Optional[dict] = None,
     ) -> RoundPlan:
         """Validate a publish and open a round; no replica changes before this succeeds.
 
         ``reuse_group`` names the transfer group the publisher still holds: the round
         runs on it when it is the last committed round's and membership is unchanged.
+        ``transfer_info`` is what replicas pull from (``ipc`` handles), in ``params`` order.
         """
         await self._authorize(token)
         if self.params is None:
             raise SyncError("no engine replica has registered yet")
         check_spec(params, self.params)
+        check_transfer_info(self.backend, transfer_info)
         if version is not None and version <= self.committed_version:
             raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.committed_version}")
         await self._acquire_round()
         try:
-            return self._open_publish_round(version, master_address, master_port, reuse_group)
+            return self._open_publish_round(params, version, master_address, master_port, reuse_group, transfer_info)
         except BaseException:
             self._round_lock.release()
             raise
@@ -234,7 +254,9 @@ class WeightSyncCoordinator:
             busy = self.round.plan.round_id if self.round else "another round"
             raise SyncError(f"{busy} is still in progress after {self.config.sync.timeout_s}s; rounds run one at a time") from None
 
-    def _open_publish_round(self, version: Optional[int], master_address: str, master_port: int, reuse_group: Optional[str]) -> RoundPlan:
+    def _open_publish_round(
+        self, params: list[ParamSpec], version: Optional[int], master_address: str, master_port: int, reuse_group: Optional[str], transfer_info: Optional[dict]
+    ) -> RoundPlan:
         if version is None:
             version = self.committed_version + 1
         if version <= self.committed_version:
@@ -261,12 +283,13 @@ class WeightSyncCoordinator:
             master_port=master_port,
             world_size=world_size,
             members=members,
-            params=tuple(self.params),
+            params=tuple(params),  # the publisher's order: its tensors and handles follow it
             bucket_bytes=sync.bucket_bytes,
             pause_mode=sync.pause_mode,
             timeout_s=sync.timeout_s,
             keeper_rank=keeper_rank,
             group_name=group_name,
+            transfer_info=transfer_info,
         )
         self._start_round(plan)
         if keeper_rank is not None:
@@ -474,4 +497,5 @@ class WeightSyncCoordinator:
             "last_outcome": vars(self.last_outcome) if self.last_outcome else None,
             "recent_rounds": [vars(o) for o in self.history],
             "weight_copy_version": self.keeper.version if self.keeper is not None else None,
+            "backend": self.backend,
         }

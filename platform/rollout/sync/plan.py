@@ -38,6 +38,10 @@ class RoundPlan:
     # The transfer group this round runs on: an earlier round's, kept by every
     # participant while membership is unchanged, or (empty) a new one named after this round.
     group_name: str = ""
+    # What the publisher offered for the replicas to read the weights from, for
+    # backends where replicas pull instead of receiving a broadcast: ``ipc`` carries
+    # one CUDA IPC handle per parameter (``ipc_handles``, in ``params`` order).
+    transfer_info: Optional[dict] = None
 
     @property
     def group(self) -> str:
@@ -62,6 +66,9 @@ class RoundPlan:
             return {**common, "group_name": self.group, "timeout_s": self.timeout_s, "bucket_bytes": self.bucket_bytes}
         if self.backend == "nccl":
             return {**common, "packed": True, "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": NCCL_BUFFERS}
+        if self.backend == "ipc":
+            # No rendezvous: every parameter has its own handle (zero-copy for the trainer).
+            return {"packed": False}
         raise ValueError(f"backend: no init info for {self.backend!r}")
 
     def update_info(self) -> dict:
@@ -69,6 +76,7 @@ class RoundPlan:
             names=[p.name for p in self.params],
             dtype_names=[p.dtype for p in self.params],
             shapes=[list(p.shape) for p in self.params],
+            **(self.transfer_info or {}),
         )
 
 

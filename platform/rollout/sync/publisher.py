@@ -86,6 +86,7 @@ class WeightPublisher:
         self.last_outcome: Optional[RoundOutcome] = None
         # Kept across rounds: it holds the transfer group the next round may reuse.
         self._sender: Optional[Sender] = None
+        self._backend_resolved: Optional[str] = None
 
     @classmethod
     def connect(cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None) -> "WeightPublisher":
@@ -119,17 +120,17 @@ class WeightPublisher:
         """
         t0 = time.perf_counter()
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        tensors = {name: t.detach().to("cpu") for name, t in items}
+        # Left where they are: each sender moves what it needs (gloo a bucket at a time
+        # to the host, nccl and ipc stay on the GPU).
+        tensors = {name: t.detach() for name, t in items}
         specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
-        address, port = _own_address(), _free_port()
-        held = self._sender.group_name if self._sender is not None else None
-        plan = self._coordinator.begin_round(self._token, specs, version, address, port, held)
-        t_open = time.perf_counter()
-        if self.backend not in ("auto", plan.backend):
-            self._coordinator.finish(plan.round_id, f"publisher backend {self.backend!r} != platform backend {plan.backend!r}")
-            raise SyncError(f"backend: the platform syncs over {plan.backend!r}, not {self.backend!r}")
+        backend = self._platform_backend()
         if self._sender is None:
-            self._sender = make_sender(plan.backend)
+            self._sender = make_sender(backend)
+        transfer_info = self._sender.offer(list(tensors.values()))
+        address, port = _own_address(), _free_port()
+        plan = self._coordinator.begin_round(self._token, specs, version, address, port, self._sender.group_name, transfer_info)
+        t_open = time.perf_counter()
         error = _send_with_deadline(self._sender, plan, [tensors[p.name] for p in plan.params])
         if error:
             logger.error("sending %s failed: %s", plan.round_id, error)
@@ -145,6 +146,16 @@ class WeightPublisher:
             raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
         self.last_sync_s = t_done - t0
         return outcome.version
+
+    def _platform_backend(self) -> str:
+        """The coordinator's backend (asked once): the sender must exist before the round
+        opens, because some backends offer what replicas pull (``ipc`` handles)."""
+        if self._backend_resolved is None:
+            platform = self._coordinator.status()["backend"]
+            if self.backend not in ("auto", platform):
+                raise SyncError(f"backend: the platform syncs over {platform!r}, not {self.backend!r}")
+            self._backend_resolved = platform
+        return self._backend_resolved
 
     def close(self) -> None:
         """Leave the transfer group (the next round forms a new one)."""

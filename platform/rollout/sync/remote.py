@@ -9,6 +9,7 @@ from typing import Any, Optional, Protocol
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rollout.errors import unwrap_remote
+from rollout.sync.coordinator import SyncError
 from rollout.sync.plan import RoundOutcome, RoundPlan
 from rollout.sync.wire import ParamSpec
 
@@ -36,7 +37,14 @@ class FinishBody(BaseModel):
 
 class CoordinatorClient(Protocol):
     def begin_round(
-        self, token: Optional[str], params: list[ParamSpec], version: Optional[int], address: str, port: int, reuse_group: Optional[str] = None
+        self,
+        token: Optional[str],
+        params: list[ParamSpec],
+        version: Optional[int],
+        address: str,
+        port: int,
+        reuse_group: Optional[str] = None,
+        transfer_info: Optional[dict] = None,
     ) -> RoundPlan: ...
 
     def finish(self, round_id: str, error: Optional[str]) -> RoundOutcome: ...
@@ -54,8 +62,8 @@ class HandleCoordinator:
         except Exception as e:
             raise unwrap_remote(e) from None
 
-    def begin_round(self, token, params, version, address, port, reuse_group=None) -> RoundPlan:
-        return self._call("begin_round", token, params, version, address, port, reuse_group)
+    def begin_round(self, token, params, version, address, port, reuse_group=None, transfer_info=None) -> RoundPlan:
+        return self._call("begin_round", token, params, version, address, port, reuse_group, transfer_info)
 
     def finish(self, round_id, error) -> RoundOutcome:
         return self._call("finish", round_id, error)
@@ -79,7 +87,11 @@ class HttpCoordinator:
         raise_for_error(resp)
         return resp.json()
 
-    def begin_round(self, token, params, version, address, port, reuse_group=None) -> RoundPlan:
+    def begin_round(self, token, params, version, address, port, reuse_group=None, transfer_info=None) -> RoundPlan:
+        if transfer_info is not None:
+            # CUDA IPC handles only mean something on the replicas' node, and replicas
+            # unpickle them: the platform never accepts them over the network.
+            raise SyncError("backend: 'ipc' handles cannot travel over HTTP; publish with WeightPublisher.connect from the replicas' GPU node")
         body = {
             "params": SPECS.dump_python(params, mode="json"),
             "version": version,

@@ -57,7 +57,9 @@ def plan_buckets(specs: Sequence[ParamSpec], bucket_bytes: int) -> list[list[int
 
 
 def pack(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors])
+    """One bucket's bytes, in host memory (packed where the tensors live, so a GPU
+    trainer copies one bucket to the host at a time)."""
+    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]).cpu()
 
 
 def unpack(buffer: torch.Tensor, specs: Sequence[ParamSpec]) -> Iterator[tuple[str, torch.Tensor]]:

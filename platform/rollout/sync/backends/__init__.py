@@ -1,7 +1,7 @@
 """Trainer-side senders, one module per transport, picked by name.
 
 The receiving side of each transport is a vLLM weight-transfer engine (vLLM's own
-``nccl``, our ``gloo`` in :mod:`rollout.sync.backends.gloo_worker`).
+``nccl`` and ``ipc``, our ``gloo`` in :mod:`rollout.sync.backends.gloo_worker`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from rollout.sync.plan import RoundPlan
 
 
 class Sender(Protocol):
+    def offer(self, tensors: Sequence[torch.Tensor]) -> Optional[dict]:
+        """Before the round opens: what replicas need to pull the weights themselves
+        (it becomes the plan's ``transfer_info``), or None when :meth:`send` pushes them."""
+
     @property
     def group_name(self) -> Optional[str]:
         """The transfer group kept from the last round, if the transport can reuse it."""
@@ -34,4 +38,8 @@ def make_sender(backend: str) -> Sender:
         from rollout.sync.backends.nccl_sender import NcclSender
 
         return NcclSender()
-    raise ValueError(f"backend: no trainer-side sender for {backend!r} (available: 'gloo', 'nccl')")
+    if backend == "ipc":
+        from rollout.sync.backends.ipc_sender import IpcSender
+
+        return IpcSender()
+    raise ValueError(f"backend: no trainer-side sender for {backend!r} (available: 'gloo', 'nccl', 'ipc')")

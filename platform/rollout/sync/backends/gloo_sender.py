@@ -20,6 +20,9 @@ class GlooSender:
         """The group this sender still holds; offered to the coordinator for reuse."""
         return self._slot.name
 
+    def offer(self, tensors: Sequence[torch.Tensor]) -> None:
+        return None  # pushed by send()
+
     def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
         with self._slot.use(plan.group, plan.master_address, plan.master_port, 0, plan.world_size, plan.timeout_s) as group:
             send_buckets(group, plan.params, tensors, plan.bucket_bytes)

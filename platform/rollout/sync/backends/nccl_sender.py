@@ -26,6 +26,9 @@ class NcclSender:
     def close(self) -> None:
         pass
 
+    def offer(self, tensors: Sequence[torch.Tensor]) -> None:
+        return None  # pushed by send()
+
     def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
