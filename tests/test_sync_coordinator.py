@@ -13,8 +13,8 @@ from rollout.sync.wire import ParamSpec
 SPECS = [ParamSpec("w", "float32", (2, 2))]
 
 
-def coordinator() -> WeightSyncCoordinator:
-    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1}}, "nccl")
+def coordinator(backend: str = "nccl") -> WeightSyncCoordinator:
+    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1}}, backend)
     c._token = None
     return c
 
@@ -85,14 +85,8 @@ async def test_rounds_reuse_the_transfer_group_until_membership_changes_or_a_rou
     assert fifth.group == fifth.round_id, "after an abort some participants dropped the group"
 
 
-def ipc_coordinator() -> WeightSyncCoordinator:
-    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1}}, "ipc")
-    c._token = None
-    return c
-
-
 async def test_an_ipc_round_carries_the_publishers_handles_to_every_member_and_keeps_no_copy():
-    c = ipc_coordinator()
+    c = coordinator("ipc")
     await c.register("a", 1, 0, SPECS)
     handles = {"ipc_handles_pickled": "aGFuZGxlcw=="}
     plan = await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, handles)
@@ -109,8 +103,7 @@ async def test_an_ipc_round_carries_the_publishers_handles_to_every_member_and_k
 async def test_transfer_info_that_does_not_fit_the_backend_is_rejected_before_a_round_opens(backend, transfer_info):
     from rollout.errors import InvalidRequestError
 
-    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1}}, backend)
-    c._token = None
+    c = coordinator(backend)
     await c.register("a", 1, 0, SPECS)
     with pytest.raises(InvalidRequestError, match="transfer_info") as e:
         await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, transfer_info)
