@@ -14,7 +14,7 @@ import torch
 
 from rollout.sync.backends import make_sender
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on one: torch only)")
 
 
 def _read_like_vllm(payload: str, out) -> None:
