@@ -33,3 +33,55 @@ async def test_a_sync_loop_that_died_marks_the_replica_broken(model_dir):
     agent._task = asyncio.create_task(crash())
     await asyncio.sleep(0.05)
     assert "boom" in agent.broken
+
+
+class RecordingEngine:
+    """Stands in for vLLM's AsyncLLM: records the protocol calls the agent makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def get_weight_version(self):
+        return "0"
+
+    def __getattr__(self, name):
+        async def call(*args, **kwargs):
+            self.calls.append((name, *args, *kwargs.values()))
+
+        return call
+
+
+class InProcess:
+    """The real coordinator, called in-process the way a Serve handle would."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+
+    def __getattr__(self, name):
+        method = getattr(self.coordinator, name)
+        return type("Method", (), {"remote": staticmethod(method)})
+
+
+async def test_a_replica_that_starts_behind_a_committed_checkpoint_reloads_it_before_serving(model_dir):
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5}}, "nccl")
+    coordinator._token = None
+    specs = checkpoint_spec(str(model_dir))
+    await coordinator.register("a", 1, 0, specs)
+    plan = await coordinator.begin_round(None, specs, None, "127.0.0.1", 1, None, None, "/shared/policy-v1")
+    asyncio.get_running_loop().create_task(coordinator.report(plan.round_id, "a", None))
+    finish = asyncio.create_task(coordinator.finish(plan.round_id))
+    await asyncio.sleep(0.05)
+    await coordinator.applied(plan.round_id, "a", 1)
+    assert (await finish).committed
+
+    engine = RecordingEngine()
+    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="b", ranks=1, model_path=str(model_dir))
+    await agent.start()
+    agent.stop()
+    assert agent.version == 1 and not agent.broken
+    assert [c[0] for c in engine.calls] == ["pause_generation", "collective_rpc", "update_weight_version", "resume_generation"]
+    assert engine.calls[1] == ("collective_rpc", "reload_weights", {"weights_path": "/shared/policy-v1"})
+    assert engine.calls[2] == ("update_weight_version", "1")

@@ -118,3 +118,41 @@ def test_ipc_handles_never_travel_over_http():
     client = HttpCoordinator("http://127.0.0.1:9", None, 1.0)  # nothing listens: it must refuse before sending
     with pytest.raises(SyncError, match="cannot travel over HTTP"):
         client.begin_round(None, SPECS, None, "127.0.0.1", 1, None, {"ipc_handles_pickled": "x"})
+
+
+async def test_without_a_weight_copy_or_a_checkpoint_a_restore_fails_and_says_how_to_enable_one():
+    from rollout.sync.coordinator import SyncError
+
+    c = coordinator()  # nccl: no keeper
+    await c.register("a", 1, 0, SPECS)
+    await commit(c, await c.begin_round(None, SPECS, None, "127.0.0.1", 1))
+    with pytest.raises(SyncError, match="publish with checkpoint="):
+        await c.restore("a")
+
+
+async def test_a_committed_checkpoint_is_what_restores_reload_until_a_publish_without_one_replaces_it():
+    from rollout.sync.coordinator import SyncError
+
+    c = coordinator()
+    await c.register("a", 1, 0, SPECS)
+    await commit(c, await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, None, "/ckpt/v1"))
+    await c.register("b", 1, 0, SPECS)  # starts behind
+    plan = await c.restore("b")
+    assert (plan.round_id.split("-")[0], plan.checkpoint, plan.version, plan.restore) == ("reload", "/ckpt/v1", 1, True)
+    assert [m.replica_id for m in plan.members] == ["b"]
+    outcome = await c.report(plan.round_id, "b", None)  # nothing is sent: b's report decides
+    assert outcome.committed and c.committed_version == 1
+    await c.applied(plan.round_id, "b", 1)
+    await commit(c, await c.begin_round(None, SPECS, None, "127.0.0.1", 2), members=("a", "b"))
+    with pytest.raises(SyncError, match="keeps no copy"):
+        await c.restore("b")  # the checkpoint holds version 1, not the committed 2
+
+
+async def test_a_checkpoint_must_be_an_absolute_path():
+    from rollout.errors import InvalidRequestError
+
+    c = coordinator()
+    await c.register("a", 1, 0, SPECS)
+    with pytest.raises(InvalidRequestError, match="absolute path") as e:
+        await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, None, "ckpt/v1")
+    assert e.value.field == "checkpoint" and c.round is None

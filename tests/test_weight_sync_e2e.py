@@ -207,14 +207,16 @@ os._exit(1)  # the trainer dies mid-transfer
 """
 
 
-async def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_last_committed_version(
+async def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_last_committed_version_reloaded_from_its_checkpoint(
     publisher, platform, handle_client, model_dir, tmp_path, policy_v1
 ):
     import subprocess
     import sys
 
-    status = await asyncio.to_thread(publisher.status)
-    committed = status["committed_version"]
+    # The committed weights are also saved where replicas can read them: the rollback
+    # reloads them from there (vLLM's reload_weights), not from the coordinator's copy.
+    model_v1, dir_v1 = policy_v1
+    committed = await asyncio.to_thread(publisher.publish, model_v1.named_parameters(), None, str(dir_v1))
     before = await handle_client.generate([greedy(p, 16) for p in PROMPTS])
     model = perturbed_policy(model_dir, seed=3)
     policy_dir = save_policy(model, model_dir, tmp_path / "policy-v3")
@@ -229,7 +231,11 @@ async def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_last_com
     after = await asyncio.wait_for(handle_client.generate([greedy(p, 16) for p in PROMPTS]), timeout=120)
     assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in before]
     assert all(r.samples[0].weight_versions[0].version == str(committed) for r in after)
-    assert await asyncio.to_thread(publisher.publish, policy_v1[0].named_parameters()) == committed + 1
+    status = await asyncio.to_thread(publisher.status)
+    reloads = [r for r in status["recent_rounds"] if r["round_id"].startswith(f"reload-{committed}-")]
+    assert reloads and all(r["committed"] for r in reloads), status["recent_rounds"]
+    # A publish without a checkpoint: later restores use the coordinator's copy again.
+    assert await asyncio.to_thread(publisher.publish, model_v1.named_parameters()) == committed + 1
 
 
 def _cluster_env() -> dict:

@@ -198,7 +198,15 @@ class HttpIngress:
     @app.post("/v1/sync/rounds", dependencies=[Depends(require_key)])
     async def sync_begin(self, body: BeginRoundBody, request: Request) -> dict:
         plan = await self._call_coordinator(
-            "begin_round", request.headers.get(SYNC_TOKEN_HEADER), body.params, body.version, body.master_address, body.master_port, body.reuse_group
+            "begin_round",
+            request.headers.get(SYNC_TOKEN_HEADER),
+            body.params,
+            body.version,
+            body.master_address,
+            body.master_port,
+            body.reuse_group,
+            None,  # ipc handles never come over HTTP
+            body.checkpoint,
         )
         return PLAN.dump_python(plan, mode="json")
 

@@ -4,6 +4,8 @@ rounds and drives vLLM's native protocol on its own engine.
 Per round: ``pause_generation(mode)`` → ``init_weight_transfer_engine`` →
 ``start_weight_update`` → ``update_weights`` (receives every bucket) → report to the
 coordinator → on commit ``finish_weight_update(version)`` → ``resume_generation``.
+A restore round from a committed checkpoint replaces the transfer steps with vLLM's
+``reload_weights(weights_path)`` and the finish with ``update_weight_version``.
 Generation stays paused from before the first tensor arrives until the round is
 decided, so no token is ever computed on a mix of two versions.
 """
@@ -158,13 +160,18 @@ class SyncAgent:
             await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
         try:
             try:
-                async with clock("join"):
-                    await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), t)
-                async with clock("start"):
-                    await asyncio.wait_for(self.engine.start_weight_update(), t)
-                started = True
-                async with clock("receive"):
-                    await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), t)
+                if plan.checkpoint is not None:
+                    started = True  # vLLM reloads into the live model too
+                    async with clock("reload"):
+                        await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), t)
+                else:
+                    async with clock("join"):
+                        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), t)
+                    async with clock("start"):
+                        await asyncio.wait_for(self.engine.start_weight_update(), t)
+                    started = True
+                    async with clock("receive"):
+                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), t)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
@@ -173,14 +180,18 @@ class SyncAgent:
             self.committed = max(self.committed, outcome.version)
             if outcome.committed:
                 async with clock("finish"):
-                    await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
+                    if plan.checkpoint is not None:
+                        await asyncio.wait_for(self.engine.update_weight_version(str(plan.version)), t)
+                    else:
+                        await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
                 self.version = plan.version
                 consistent = True
             elif started:
                 # vLLM loads tensors into the live model as they arrive: after a partial
                 # transfer the weights are a mix of two versions and must not serve.
                 logger.error("replica %s: %s aborted mid-transfer (%s); restoring", self.replica_id, plan.round_id, outcome.error)
-                await self._close_update()
+                if plan.checkpoint is None:
+                    await self._close_update()
             else:
                 consistent = True  # nothing was loaded
         finally:

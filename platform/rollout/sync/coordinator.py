@@ -57,6 +57,7 @@ class _Round:
     outcome: Optional[RoundOutcome] = None
     applied: set[str] = field(default_factory=set)  # members serving the decided version again
     all_applied: asyncio.Event = field(default_factory=asyncio.Event)
+    checkpoint: Optional[str] = None  # the publisher's copy of these weights on shared storage
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,8 @@ class WeightSyncCoordinator:
         # The keeper rides the gloo wire; with vLLM's GPU backends it would need a GPU.
         self.keeper = WeightKeeper(self.config.model.path) if backend == "gloo" else None
         self._group: Optional[_Group] = None  # the last committed publish round's transfer group
+        # (version, directory): the committed weights on shared storage, when the publisher said where.
+        self._checkpoint: Optional[tuple[int, str]] = None
         # Held from opening a round until its decision: one round at a time.
         self._round_lock = asyncio.Lock()
 
@@ -226,23 +229,30 @@ class WeightSyncCoordinator:
         master_port: int,
         reuse_group: Optional[str] = None,
         transfer_info: Optional[dict] = None,
+        checkpoint: Optional[str] = None,
     ) -> RoundPlan:
         """Validate a publish and open a round; no replica changes before this succeeds.
 
         ``reuse_group`` names the transfer group the publisher still holds: the round
         runs on it when it is the last committed round's and membership is unchanged.
         ``transfer_info`` is what replicas pull from (``ipc`` handles), in ``params`` order.
+        ``checkpoint`` is a directory every replica can read holding the same weights:
+        once committed, restores reload it (see :meth:`restore`).
         """
         await self._authorize(token)
         if self.params is None:
             raise SyncError("no engine replica has registered yet")
         check_spec(params, self.params)
         check_transfer_info(self.backend, transfer_info)
+        if checkpoint is not None and not os.path.isabs(checkpoint):
+            raise InvalidRequestError("checkpoint", f"{checkpoint!r} must be an absolute path that every replica can read")
         if version is not None and version <= self.committed_version:
             raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.committed_version}")
         await self._acquire_round()
         try:
-            return self._open_publish_round(params, version, master_address, master_port, reuse_group, transfer_info)
+            plan = self._open_publish_round(params, version, master_address, master_port, reuse_group, transfer_info)
+            self.round.checkpoint = checkpoint
+            return plan
         except BaseException:
             self._round_lock.release()
             raise
@@ -320,34 +330,32 @@ class WeightSyncCoordinator:
         self._maybe_decide(rnd)
 
     async def restore(self, replica_id: str) -> RoundPlan:
-        """Open a round in which the keeper sends the committed weights to one replica.
+        """Open a round that brings one replica to the committed weights.
 
         Used by a replica that starts behind the committed version (catch-up, the
         trainer sends nothing) and by one whose transfer broke off mid-way (rollback).
+        The source, first that holds the committed version: the checkpoint the
+        publisher named (the replica reloads it itself, any backend), else the keeper's
+        copy (gloo only: the keeper sends it).
         """
-        if self.keeper is None:
-            raise SyncError(f"backend {self.backend!r} keeps no copy of the committed weights; cannot restore {replica_id}")
         r = self.replicas.get(replica_id)
         if r is None:
             raise SyncError(f"replica {replica_id} is not registered")
-        if self.keeper.version != self.committed_version:
-            # E.g. this coordinator restarted: it knows the committed version from the
-            # replicas but holds no copy of those weights until the next publish.
-            raise SyncError(
-                f"cannot restore {replica_id}: the coordinator's copy holds version {self.keeper.version}, "
-                f"the committed version is {self.committed_version}; the next publish refreshes it"
-            )
+        checkpoint = self._checkpoint[1] if self._checkpoint and self._checkpoint[0] == self.committed_version else None
+        if checkpoint is None:
+            self._check_keeper_holds_committed(replica_id)
         await self._acquire_round()
         try:
             from rollout.sync.publisher import _free_port, _own_address
 
             sync = self.config.sync
+            kind = "reload" if checkpoint else "restore"
             plan = RoundPlan(
-                round_id=f"restore-{self.committed_version}-{uuid.uuid4().hex[:8]}",
+                round_id=f"{kind}-{self.committed_version}-{uuid.uuid4().hex[:8]}",
                 version=self.committed_version,
                 backend=self.backend,
-                master_address=_own_address(),
-                master_port=_free_port(),
+                master_address="" if checkpoint else _own_address(),
+                master_port=0 if checkpoint else _free_port(),
                 world_size=1 + r.ranks,
                 members=(Member(replica_id, 1, r.ranks),),
                 params=tuple(self.params),
@@ -355,16 +363,34 @@ class WeightSyncCoordinator:
                 pause_mode="keep",
                 timeout_s=sync.timeout_s,
                 restore=True,
+                checkpoint=checkpoint,
             )
             self._start_round(plan)
         except BaseException:
             self._round_lock.release()
             raise
-        self._group = None  # the restored replica leaves the publish group for this one
         rnd = self.round
-        asyncio.get_running_loop().create_task(self._send_restore(rnd))
-        logger.info("opened %s: restoring version %d on %s", plan.round_id, plan.version, replica_id)
+        if checkpoint:
+            rnd.trainer_done = True  # nothing is sent: the member's report decides
+        else:
+            self._group = None  # the restored replica leaves the publish group for this one
+            asyncio.get_running_loop().create_task(self._send_restore(rnd))
+        logger.info("opened %s: version %d on %s from %s", plan.round_id, plan.version, replica_id, checkpoint or "the keeper's copy")
         return plan
+
+    def _check_keeper_holds_committed(self, replica_id: str) -> None:
+        if self.keeper is None:
+            raise SyncError(
+                f"cannot restore {replica_id}: backend {self.backend!r} keeps no copy of the committed weights; "
+                "publish with checkpoint=<a directory every replica reads> so replicas can reload them"
+            )
+        if self.keeper.version != self.committed_version:
+            # E.g. this coordinator restarted: it knows the committed version from the
+            # replicas but holds no copy of those weights until the next publish.
+            raise SyncError(
+                f"cannot restore {replica_id}: the coordinator's copy holds version {self.keeper.version}, "
+                f"the committed version is {self.committed_version}; the next publish refreshes it"
+            )
 
     async def _send_restore(self, rnd: _Round) -> None:
         error = None
@@ -402,6 +428,8 @@ class WeightSyncCoordinator:
             # Every participant keeps a committed round's group; after an abort some
             # have dropped it, so the next round forms a new one.
             self._group = _Group.of(rnd.plan) if committed else None
+        if committed and not rnd.plan.restore:
+            self._checkpoint = (rnd.plan.version, rnd.checkpoint) if rnd.checkpoint else None
         if self.keeper is not None and not rnd.plan.restore:
             if committed:
                 self.keeper.commit(rnd.plan.round_id)

@@ -42,6 +42,10 @@ class RoundPlan:
     # backends where replicas pull instead of receiving a broadcast: ``ipc`` carries
     # one CUDA IPC handle per parameter (``ipc_handles``, in ``params`` order).
     transfer_info: Optional[dict] = None
+    # Restore rounds only: a directory of the committed weights (safetensors, on storage
+    # every replica reads) that the member reloads with vLLM's ``reload_weights``
+    # instead of receiving them from the keeper.
+    checkpoint: Optional[str] = None
 
     @property
     def group(self) -> str:

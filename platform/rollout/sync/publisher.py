@@ -111,8 +111,13 @@ class WeightPublisher:
         """
         return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token))
 
-    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None) -> int:
+    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None) -> int:
         """Send weights to every live replica; return the committed version.
+
+        ``checkpoint``: an absolute path where these same weights are saved (HF
+        safetensors, e.g. ``save_pretrained``) on storage every replica can read. Once
+        committed, replicas that start later or roll back reload it themselves; with
+        the GPU backends, which keep no copy, it is the only way they can catch up.
 
         Raises ``InvalidRequestError`` (unknown names, wrong shapes or dtypes, version
         not increasing) or ``AuthenticationError`` before any replica changes, and
@@ -129,7 +134,7 @@ class WeightPublisher:
             self._sender = make_sender(backend)
         transfer_info = self._sender.offer(list(tensors.values()))
         address, port = _own_address(), _free_port()
-        plan = self._coordinator.begin_round(self._token, specs, version, address, port, self._sender.group_name, transfer_info)
+        plan = self._coordinator.begin_round(self._token, specs, version, address, port, self._sender.group_name, transfer_info, checkpoint)
         t_open = time.perf_counter()
         error = _send_with_deadline(self._sender, plan, [tensors[p.name] for p in plan.params])
         if error:

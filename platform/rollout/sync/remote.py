@@ -28,6 +28,7 @@ class BeginRoundBody(BaseModel):
     master_address: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
     reuse_group: Optional[str] = Field(default=None, description="The transfer group the publisher still holds from its last round.")
+    checkpoint: Optional[str] = Field(default=None, min_length=1, description="Absolute path of the same weights on storage every replica reads; restores reload it.")
 
 
 class FinishBody(BaseModel):
@@ -45,6 +46,7 @@ class CoordinatorClient(Protocol):
         port: int,
         reuse_group: Optional[str] = None,
         transfer_info: Optional[dict] = None,
+        checkpoint: Optional[str] = None,
     ) -> RoundPlan: ...
 
     def finish(self, round_id: str, error: Optional[str]) -> RoundOutcome: ...
@@ -62,8 +64,8 @@ class HandleCoordinator:
         except Exception as e:
             raise unwrap_remote(e) from None
 
-    def begin_round(self, token, params, version, address, port, reuse_group=None, transfer_info=None) -> RoundPlan:
-        return self._call("begin_round", token, params, version, address, port, reuse_group, transfer_info)
+    def begin_round(self, token, params, version, address, port, reuse_group=None, transfer_info=None, checkpoint=None) -> RoundPlan:
+        return self._call("begin_round", token, params, version, address, port, reuse_group, transfer_info, checkpoint)
 
     def finish(self, round_id, error) -> RoundOutcome:
         return self._call("finish", round_id, error)
@@ -87,7 +89,7 @@ class HttpCoordinator:
         raise_for_error(resp)
         return resp.json()
 
-    def begin_round(self, token, params, version, address, port, reuse_group=None, transfer_info=None) -> RoundPlan:
+    def begin_round(self, token, params, version, address, port, reuse_group=None, transfer_info=None, checkpoint=None) -> RoundPlan:
         if transfer_info is not None:
             # CUDA IPC handles only mean something on the replicas' node, and replicas
             # unpickle them: the platform never accepts them over the network.
@@ -98,6 +100,7 @@ class HttpCoordinator:
             "master_address": address,
             "master_port": port,
             "reuse_group": reuse_group,
+            "checkpoint": checkpoint,
         }
         return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
 
