@@ -156,3 +156,17 @@ async def test_a_checkpoint_must_be_an_absolute_path():
     with pytest.raises(InvalidRequestError, match="absolute path") as e:
         await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, None, "ckpt/v1")
     assert e.value.field == "checkpoint" and c.round is None
+
+
+async def test_a_member_waiting_for_a_slow_decision_is_not_dropped_as_silent():
+    c = coordinator()
+    c.poll_s = 0.01  # the silence horizon is 3 polls
+    await c.register("a", 1, 0, SPECS)
+    await c.register("b", 1, 0, SPECS)
+    plan = await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, None, "/ckpt/v1")
+    waiting = asyncio.create_task(c.report(plan.round_id, "a", None))  # b never reports (it died)
+    await asyncio.sleep(0.1)
+    c._live()
+    assert "a" in c.replicas, "a is blocked in report(), not silent"
+    await asyncio.wait_for(waiting, 5)  # the deadline aborts the round
+    assert not waiting.result().committed

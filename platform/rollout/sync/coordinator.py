@@ -187,7 +187,11 @@ class WeightSyncCoordinator:
 
     def _live(self) -> dict[str, int]:
         horizon = time.monotonic() - 3 * self.poll_s
-        for rid in [rid for rid, r in self.replicas.items() if r.last_seen < horizon]:
+        # A member of the undecided round is busy in it (receiving, or blocked in report()
+        # until the decision) and does not poll; the round's deadline bounds how long.
+        rnd = self.round
+        busy = {m.replica_id for m in rnd.plan.members} if rnd is not None and not rnd.decided.is_set() else set()
+        for rid in [rid for rid, r in self.replicas.items() if r.last_seen < horizon and rid not in busy]:
             logger.warning("replica %s stopped polling; dropped from membership", rid)
             del self.replicas[rid]
             self._departed.append(rid)
