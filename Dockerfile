@@ -1,10 +1,12 @@
 # syntax=docker/dockerfile:1.7
 # Rollout Platform image: vLLM engines in Ray Serve, for the Helm chart and k8s/.
 # The versions below are the pins of pyproject.toml (ray[serve] in dependencies, vllm
-# in the gpu extra); tests/test_dockerfile.py fails when they drift apart.
+# in the gpu extra) and of the GPU check (torch, torchvision: tests/gpu/overlay-pins.txt);
+# tests/test_dockerfile.py fails when they drift apart, and resolves this install for the
+# image's Python (Ubuntu 24.04's python3, 3.12) and platform (glibc 2.39, x86_64).
 
 # ---- build: the project's wheel (pure Python; build tools stay in this stage) ----
-FROM python:3.10.16-slim-bookworm AS build
+FROM python:3.12.12-slim-bookworm AS build
 WORKDIR /src
 RUN pip install --no-cache-dir "build==1.2.2.post1"
 COPY pyproject.toml README.md ./
@@ -12,14 +14,15 @@ COPY platform/ platform/
 RUN python -m build --wheel --outdir /dist .
 
 # ---- runtime: CUDA runtime libraries, Python, vLLM, Ray, the wheel ----
-FROM nvidia/cuda:12.8.1-runtime-ubuntu22.04 AS runtime
+# CUDA 13.0: PyPI's torch 2.13.0 and vllm 0.32.0 wheels are CUDA 13 builds (NVIDIA driver >= 580).
+FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04 AS runtime
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="rollout-platform" \
       org.opencontainers.image.description="vLLM rollout engines in Ray Serve for RL trainers" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.source="https://github.com/example/rollout-platform" \
-      org.opencontainers.image.base.name="docker.io/nvidia/cuda:12.8.1-runtime-ubuntu22.04"
+      org.opencontainers.image.base.name="docker.io/nvidia/cuda:13.0.2-runtime-ubuntu24.04"
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -29,18 +32,23 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# Interpreter only: no compilers or -dev headers in the final image.
+# Interpreter only: no compilers or -dev headers in the final image. Ubuntu 24.04's python3 is
+# 3.12, the Python of the GPU check (vLLM 0.32 needs >= 3.11); the venv keeps pip off the
+# system interpreter (PEP 668).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 
 COPY --from=build /dist/ /tmp/dist/
-RUN pip install "vllm==0.32.0" "ray[serve]==2.60.0" /tmp/dist/*.whl \
+RUN pip install "vllm==0.32.0" "torch==2.13.0" "torchvision==0.28.0" "ray[serve]==2.60.0" /tmp/dist/*.whl \
  && rm -rf /tmp/dist
 
-# UID 1000 matches the Helm chart's runAsUser and KubeRay's ray images.
-RUN groupadd --gid 1000 rollout \
+# UID 1000 matches the Helm chart's runAsUser and KubeRay's ray images. Ubuntu 24.04 images
+# ship a user "ubuntu" with UID/GID 1000: remove it first.
+RUN if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
+ && if getent group ubuntu >/dev/null; then groupdel ubuntu; fi \
+ && groupadd --gid 1000 rollout \
  && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/rollout --shell /bin/bash rollout
 USER 1000:1000
 WORKDIR /home/rollout

@@ -1,14 +1,29 @@
-"""The Dockerfile, read as text (no Docker engine here): pins match pyproject.toml,
-the final stage is non-root, carries no build tools, has OCI labels and a health check."""
+"""The Dockerfile, read as text (no Docker engine here): pins match pyproject.toml and the GPU
+check's (tests/gpu/overlay-pins.txt), the final stage is non-root, carries no build tools, has OCI
+labels and a health check; and its `pip install` resolves (pip's dry run, PyPI metadata only) for
+the image's own Python and platform, so an image that cannot build fails here."""
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import re
+import shlex
 import shutil
+import subprocess
+import sys
 import tomllib
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
+
+try:
+    from packaging.specifiers import SpecifierSet
+except ImportError:  # pip vendors it
+    from pip._vendor.packaging.specifiers import SpecifierSet
 
 from tests import manifest_checks as kube  # noqa: E402
 
@@ -110,3 +125,205 @@ def test_checkov_dockerfile(tmp_path):
     shutil.copy(ROOT / "Dockerfile", tmp_path / "Dockerfile")
     failed = kube.run_checkov(tmp_path, skip=[], framework="dockerfile")
     assert failed == [], [(f["check_id"], f["check_name"]) for f in failed]
+
+
+# ---- the image's pins equal the GPU check's, and its install resolves for its own Python ----
+
+GPU_PINS = ROOT / "tests" / "gpu" / "overlay-pins.txt"
+# What an Ubuntu release's python3 and glibc are: the final stage installs the distribution's
+# python3, so its Ubuntu release decides which wheels the image's `pip install` can take.
+UBUNTU = {"22.04": ("3.10", 35), "24.04": ("3.12", 39)}
+IMAGE_PYTHON = "3.12"  # the GPU check's CPython, and Ubuntu 24.04's python3
+OLD_IMAGE_PYTHON = "3.10"  # Ubuntu 22.04's python3, which the image used when it could not build
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def gpu_check_pins() -> dict[str, str]:
+    pins = {}
+    for line in GPU_PINS.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[canonical(name)] = version.strip()
+    return pins
+
+
+def dockerfile_install() -> list[str]:
+    """The arguments of the final stage's `pip install` (requirements and the wheel glob)."""
+    for word, args in FINAL:
+        if word != "RUN":
+            continue
+        for command in args.split("&&"):
+            tokens = shlex.split(command)
+            if tokens[:2] == ["pip", "install"]:
+                return [t for t in tokens[2:] if not t.startswith("-")]
+    raise AssertionError("no `pip install` in the final stage")
+
+
+def dockerfile_pins() -> dict[str, str]:
+    pins = {}
+    for req in dockerfile_install():
+        m = re.fullmatch(r"([A-Za-z0-9_.\-]+(?:\[[^\]]+\])?)==(\S+)", req)
+        if m:
+            pins[m.group(1)] = m.group(2)
+    return pins
+
+
+def image_platform() -> tuple[str, int, int]:
+    """(python3 version, glibc minor, CUDA major) of the final stage's base image."""
+    image = FINAL[0][1].split()[0]
+    m = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+(?:\.\d+)?-[a-z]+-ubuntu(\d+\.\d+)", image)
+    assert m, f"{image}: expected an nvidia/cuda:<version>-<flavor>-ubuntu<release> image"
+    assert m.group(2) in UBUNTU, f"{image}: unknown Ubuntu release {m.group(2)}"
+    python, glibc = UBUNTU[m.group(2)]
+    return python, glibc, int(m.group(1))
+
+
+def test_image_python_is_the_gpu_checks():
+    python, _, _ = image_platform()
+    assert python == IMAGE_PYTHON
+    # The final stage runs the distribution's python3 (no other interpreter) ...
+    apt = " ".join(args for word, args in FINAL if word == "RUN" and "apt-get install" in args)
+    assert re.search(r"\bpython3\b", apt) and not re.search(r"\bpython3\.\d+\b", apt)
+    # ... and the build stage builds the wheel with the same minor version.
+    build_image = STAGES[0][0][1].split()[0]
+    m = re.fullmatch(r"python:(\d+\.\d+)\.\d+-slim-\w+", build_image)
+    assert m and m.group(1) == IMAGE_PYTHON, build_image
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert SpecifierSet(requires).contains(IMAGE_PYTHON), requires
+
+
+def test_pins_match_the_gpu_check():
+    pins, gpu = dockerfile_pins(), gpu_check_pins()
+    for name in ("vllm", "torch", "torchvision", "ray[serve]"):
+        assert name in pins, f"the Dockerfile does not pin {name}"
+        assert pins[name] == gpu[canonical(name.split("[")[0])], (name, pins[name])
+    assert set(pins) == {"vllm", "torch", "torchvision", "ray[serve]"}, pins
+    assert [a for a in dockerfile_install() if a.endswith(".whl")] == ["/tmp/dist/*.whl"]
+
+
+# pip matches manylinux tags exactly: offer every glibc level the image can load.
+def pip_platforms(glibc: int) -> list[str]:
+    tags = ["manylinux2014_x86_64"] + [f"manylinux_2_{n}_x86_64" for n in range(17, glibc + 1)]
+    return [arg for tag in tags for arg in ("--platform", tag)]
+
+
+def pip_env() -> dict[str, str]:
+    """pip as `docker build` runs it: no pip config file, constraints or local wheel folders of
+    this machine (its pip.conf caps torch and adds local indexes); PIP_INDEX_URL, PIP_CERT and
+    proxies from the environment still apply."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_CONSTRAINT", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_REQUIREMENT")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_CONSTRAINT="", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    return env
+
+
+def interpreter_for(version: str) -> str:
+    """A Python `version` with pip, to run pip under: pip evaluates environment markers
+    (python_version < "3.12" ...) against the interpreter it runs in, whatever --python-version
+    says. Falls back to this interpreter (tags and Requires-Python still follow --python-version)."""
+    candidates = [sys.executable, shutil.which(f"python{version}") or ""]
+    candidates += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")), reverse=True)
+    for exe in candidates:
+        if not exe:
+            continue
+        probe = subprocess.run([exe, "-c", "import sys, pip; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, timeout=60)
+        if probe.returncode == 0 and probe.stdout.strip() == version:
+            return exe
+    return sys.executable
+
+
+def pip_resolve(requirements: list[str], python: str, glibc: int, workdir: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """`pip install --dry-run` of `requirements` for CPython `python` on manylinux x86_64 up to
+    glibc 2.`glibc`: binary wheels only (the image has no compilers). Returns pip's result and its report."""
+    report = workdir / f"report-{python}.json"
+    cmd = [interpreter_for(python), "-m", "pip", "install", "--dry-run", "--ignore-installed",
+           # pip (before 24.1) takes platform options only with --target; nothing is written with --dry-run.
+           "--target", str(workdir / "target"),
+           "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
+           *pip_platforms(glibc), "--cache-dir", str(ROOT / "build" / "pip-cache"),
+           "--report", str(report), "--quiet", *requirements]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=pip_env(), timeout=600)
+    return result, (json.loads(report.read_text()) if result.returncode == 0 else {})
+
+
+def require_pypi():
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"{index}/vllm/", method="HEAD"), timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # it answered: pip will say what is wrong
+    except (OSError, ValueError) as exc:
+        pytest.skip(f"the package index {index} is unreachable ({exc}): cannot resolve the image's install")
+
+
+@pytest.fixture(scope="session")
+def project_wheel(tmp_path_factory) -> Path:
+    """The project's wheel, built from what the Dockerfile's build stage copies."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    shutil.copy(ROOT / "pyproject.toml", src)
+    shutil.copy(ROOT / "README.md", src)
+    shutil.copytree(ROOT / "platform", src / "platform", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc"))
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)]
+    try:
+        import wheel  # noqa: F401
+        from setuptools import __version__ as setuptools_version
+
+        if int(setuptools_version.split(".")[0]) >= 68:
+            cmd.insert(4, "--no-build-isolation")  # no download of the build backend
+    except ImportError:
+        pass
+    result = subprocess.run(cmd, capture_output=True, text=True, env=pip_env(), timeout=600)
+    assert result.returncode == 0, result.stderr
+    (whl,) = out.glob("rollout_platform-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="session")
+def image_install(request, tmp_path_factory) -> dict[str, dict]:
+    """The image's `pip install`, resolved for its Python and platform: {name: report item}."""
+    require_pypi()
+    project_wheel = request.getfixturevalue("project_wheel")  # after the check: may download setuptools
+    python, glibc, _ = image_platform()
+    requirements = [str(project_wheel) if a == "/tmp/dist/*.whl" else a for a in dockerfile_install()]
+    result, report = pip_resolve(requirements, python, glibc, tmp_path_factory.mktemp("resolve"))
+    assert result.returncode == 0, f"the image's pip install does not resolve for CPython {python}:\n{result.stderr[-4000:]}"
+    return {canonical(item["metadata"]["name"]): item for item in report["install"]}
+
+
+def test_image_install_resolves(image_install):
+    versions = {name: item["metadata"]["version"] for name, item in image_install.items()}
+    assert versions["vllm"] == "0.32.0"
+    assert versions["torch"] == "2.13.0"  # no local version: PyPI's default (CUDA 13.0) build
+    assert versions["torchvision"] == "0.28.0" and versions["ray"] == "2.60.0"
+    assert versions["rollout-platform"] == "0.1.0"
+    gpu = gpu_check_pins()
+    assert {n: versions[n] for n in ("vllm", "torch", "torchvision", "ray")} == {n: gpu[n] for n in ("vllm", "torch", "torchvision", "ray")}
+
+
+def test_image_cuda_matches_the_wheels(image_install):
+    """The base image's CUDA major is that of the CUDA runtime wheel torch brings (cu13: driver >= 580)."""
+    _, _, cuda = image_platform()
+    runtimes = [item["metadata"]["version"] for name, item in image_install.items() if re.fullmatch(r"nvidia-cuda-runtime(-cu\d+)?", name)]
+    assert runtimes, "torch brought no CUDA runtime wheel"
+    assert {int(v.split(".")[0]) for v in runtimes} == {cuda}, (runtimes, FINAL[0][1])
+
+
+def test_requires_python_is_vllms(image_install):
+    """The project claims exactly the Python versions its pinned vLLM installs on."""
+    project = SpecifierSet(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
+    vllm = SpecifierSet(image_install["vllm"]["metadata"]["requires_python"])
+    minors = [f"3.{n}" for n in range(8, 20)]
+    assert [v for v in minors if project.contains(v)] == [v for v in minors if vllm.contains(v)], (str(project), str(vllm))
+
+
+def test_old_image_python_cannot_install_vllm(tmp_path):
+    """What the test above catches: Ubuntu 22.04's Python 3.10 (the image's before) gets no vllm 0.32.0."""
+    require_pypi()
+    _, glibc = UBUNTU["22.04"]
+    requirements = [a for a in dockerfile_install() if not a.endswith(".whl")]
+    result, _ = pip_resolve(requirements, OLD_IMAGE_PYTHON, glibc, tmp_path)
+    assert result.returncode != 0
+    assert "vllm==0.32.0" in result.stderr and "Requires-Python" in result.stderr, result.stderr[-2000:]

@@ -90,3 +90,16 @@ def test_a_gpu_trainer_publishes_over_gloo_from_its_gpu_tensors():
     send_buckets(trainer, specs, list(params.values()), 20_000)  # several buckets
     thread.join(60)
     assert all(torch.equal(received[n], t.cpu()) for n, t in params.items())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_senders_work_on_the_gpu_holding_the_tensors_not_the_current_device():
+    # The smoke test's defect: tensors on cuda:1, current device cuda:0 (a replica's GPU),
+    # and the NCCL communicator was built on cuda:0 ("NCCL error: invalid usage").
+    from rollout.sync.backends.cuda_device import sending_device
+
+    torch.cuda.set_device(0)
+    assert sending_device([torch.zeros(2, device="cuda:1"), torch.zeros(3)], "nccl") == torch.device("cuda", 1)
+    assert sending_device([torch.zeros(2)], "nccl") == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"backend: 'nccl' sends from one GPU, but the tensors are on \['cuda:0', 'cuda:1'\]"):
+        sending_device([torch.zeros(2, device="cuda:0"), torch.zeros(2, device="cuda:1")], "nccl")

@@ -101,6 +101,8 @@ def _monitoring_assets(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rollout.modelbuild import SIZES
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="rollout", description="Rollout Platform: vLLM rollouts for RL trainers.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build-model", help="build the small demo/test model in DIR")
     b.add_argument("dir")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--size", default="tiny", choices=["tiny", "medium"])
+    b.add_argument("--size", default="tiny", choices=sorted(SIZES))
     b.add_argument("--force", action="store_true")
     b.set_defaults(func=_build_model)
 

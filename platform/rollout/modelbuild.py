@@ -4,7 +4,7 @@ A Qwen2-architecture causal LM with random weights and a byte-level BPE tokenize
 trained here on a seeded synthetic corpus, both written with ``save_pretrained``.
 Everything is a function of the seed and the size preset, so two builds are identical.
 
-Why these settings: head_dim must be 64 (vLLM's CPU attention rejects 16); untied
+Why these settings: head_dim must be 64 on CPU (vLLM's CPU attention rejects 16); untied
 embeddings with ``initializer_range=0.2`` make greedy output varied and dependent on
 the prompt. With tied embeddings and the default init an untrained model repeats the
 last prompt token, which would let a broken engine pass token-equality tests.
@@ -47,6 +47,7 @@ class ModelSize:
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int
+    dtype: str = "float32"
 
 
 SIZES = {
@@ -54,6 +55,10 @@ SIZES = {
     "tiny": ModelSize(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256, vocab_size=2048),
     # ~30M parameters: large enough that weight-sync cost matters on CPU (benchmarks).
     "medium": ModelSize(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, intermediate_size=1536, vocab_size=8192),
+    # ~1.5B parameters in bf16 (GPU check): Qwen2-1.5B's attention and depth (hidden 1536,
+    # 28 layers, 12 query / 2 KV heads, head_dim 128); its MLP is wider (10240, not 8960)
+    # to stand in for the 151k-token embeddings a tokenizer trained here cannot have.
+    "1.5b": ModelSize(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=10240, vocab_size=8192, dtype="bfloat16"),
 }
 
 
@@ -123,11 +128,12 @@ def build_model(out_dir: str | Path, seed: int = 0, size: str = "tiny", max_posi
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
-        torch_dtype="float32",
+        torch_dtype=spec.dtype,
     )
-    assert config.hidden_size // config.num_attention_heads == 64, "vLLM CPU attention needs head_dim 64"
+    dtype = getattr(torch, spec.dtype)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    # Initialised in float32 everywhere (the same weights on any machine), then cast.
+    model = Qwen2ForCausalLM(config).to(dtype)
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(str(out))
@@ -138,3 +144,18 @@ def build_model(out_dir: str | Path, seed: int = 0, size: str = "tiny", max_posi
 def is_built(out_dir: str | Path) -> bool:
     out = Path(out_dir)
     return (out / "config.json").exists() and (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+
+
+if __name__ == "__main__":
+    # Standalone use needs only torch, transformers and tokenizers (not this package's
+    # other dependencies): the GPU check builds its models with a lent machine's own
+    # Python while our stack is still being carried there.
+    #   python -P modelbuild.py DIR [SIZE] [SEED]   (-P: this folder holds a package named
+    #   `http`, which must not shadow the standard library)
+    import sys
+
+    args = sys.argv[1:]
+    if not args or args[0].startswith("-"):
+        sys.exit("usage: python -P modelbuild.py DIR [SIZE] [SEED]")
+    target = build_model(args[0], size=args[1] if len(args) > 1 else "tiny", seed=int(args[2]) if len(args) > 2 else 0)
+    print(f"built {args[1] if len(args) > 1 else 'tiny'} model in {target}")

@@ -79,6 +79,10 @@ class RolloutEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
         self.inflight = 0
+        # When the current run of in-flight requests began: the stuck check counts from
+        # here, not from the engine's last step (which, for the first requests after a
+        # slow start, is the engine's start).
+        self._busy_since = time.monotonic()
         self.sync = None
         if coordinator is not None:
             from rollout.sync.agent import SyncAgent
@@ -209,7 +213,7 @@ class RolloutEngine:
             raise
         # Before counting as in flight: a held request is not the engine being stuck.
         await self._admit(prepared, offset)
-        self.inflight += len(prepared)
+        self._enter(len(prepared))
         try:
             return await self._run_batch(prepared)
         except asyncio.CancelledError:
@@ -242,7 +246,7 @@ class RolloutEngine:
             raise
         await self._admit([(req, prompt_ids)])
         params = to_sampling_params(req.sampling, req.n, stream=True)
-        self.inflight += 1
+        self._enter(1)
         first, generated, started = True, 0, time.monotonic()
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._engine_request_id(req)):
@@ -259,6 +263,11 @@ class RolloutEngine:
             raise
         finally:
             self.inflight -= 1
+
+    def _enter(self, n: int) -> None:
+        if self.inflight == 0:
+            self._busy_since = time.monotonic()
+        self.inflight += n
 
     # ---- state ------------------------------------------------------------------
 
@@ -339,7 +348,7 @@ class RolloutEngine:
         """
         self._raise_if_dead()
         await asyncio.wait_for(self.engine.check_health(), timeout=self.config.deployment.health_check_timeout_s)
-        idle_for = self.snapshot.seconds_since_step()
+        idle_for = min(self.snapshot.seconds_since_step(), time.monotonic() - self._busy_since)
         if self.inflight > 0 and idle_for > self.config.deployment.stuck_timeout_s:
             raise EngineUnavailableError(
                 f"replica {self.replica_id}: {self.inflight} requests in flight but no engine step for {idle_for:.0f}s"

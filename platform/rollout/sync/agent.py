@@ -25,6 +25,10 @@ from rollout.sync.version import version_of
 
 logger = logging.getLogger(__name__)
 
+# Seconds past a round's deadline after which an engine call that has not returned
+# counts as blocked for good (see SyncAgent._apply).
+WEDGED_GRACE_S = 15.0
+
 class SyncAgent:
     def __init__(self, engine: Any, coordinator: Any, replica_id: str, ranks: int, model_path: str):
         self.engine = engine
@@ -113,7 +117,7 @@ class SyncAgent:
             except Exception:
                 logger.exception("replica %s: %s failed unexpectedly; restoring the committed weights", self.replica_id, plan.round_id)
                 consistent = False
-            if not consistent:
+            if not consistent and not self.broken:
                 await self._restore()
 
     async def _reregister(self) -> None:
@@ -140,7 +144,8 @@ class SyncAgent:
             reason = f"restore failed: {type(e).__name__}: {e}"
         # Stay paused and fail health checks: Serve replaces this replica, and the
         # replacement catches up from the coordinator's copy when it starts.
-        self.broken = f"weights are not the committed version ({reason})"
+        if not self.broken:  # a blocked engine's reason says more
+            self.broken = f"weights are not the committed version ({reason})"
         logger.error("replica %s: %s", self.replica_id, self.broken)
 
     async def _apply(self, plan: RoundPlan) -> bool:
@@ -152,10 +157,14 @@ class SyncAgent:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
         t = plan.timeout_s
+        # The transports end their own steps at the round's deadline (gloo's timeout, a
+        # failed rendezvous); an engine call still running well past it is blocked.
+        wedged_after = t + WEDGED_GRACE_S
         clock = PhaseClock()
         error: Optional[str] = None
         started = False
         consistent = False
+        wedged = False
         async with clock("pause"):
             await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
         try:
@@ -163,15 +172,22 @@ class SyncAgent:
                 if plan.checkpoint is not None:
                     started = True  # vLLM reloads into the live model too
                     async with clock("reload"):
-                        await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), t)
+                        await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), wedged_after)
                 else:
                     async with clock("join"):
-                        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), t)
+                        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), wedged_after)
                     async with clock("start"):
-                        await asyncio.wait_for(self.engine.start_weight_update(), t)
+                        await asyncio.wait_for(self.engine.start_weight_update(), wedged_after)
                     started = True
                     async with clock("receive"):
-                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), t)
+                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), wedged_after)
+            except asyncio.TimeoutError:
+                # The engine call is still running in the engine core: a worker blocked in a
+                # collective whose peer is gone (NCCL has no deadline of its own). Every
+                # later call (finish, pause, reload) would queue behind it forever.
+                error = f"the engine did not finish {clock.current} within {wedged_after:.0f}s"
+                wedged = True
+                logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
@@ -186,12 +202,17 @@ class SyncAgent:
                         await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
                 self.version = plan.version
                 consistent = True
+            elif wedged:
+                # Nothing more can run on this engine: fail health checks so Serve replaces
+                # the replica; the replacement catches up to the committed version as it starts.
+                self.broken = f"{plan.round_id}: {error}; the engine is blocked and this replica must be replaced"
+                logger.error("replica %s: %s", self.replica_id, self.broken)
             elif started:
                 # vLLM loads tensors into the live model as they arrive: after a partial
                 # transfer the weights are a mix of two versions and must not serve.
                 logger.error("replica %s: %s aborted mid-transfer (%s); restoring", self.replica_id, plan.round_id, outcome.error)
                 if plan.checkpoint is None:
-                    await self._close_update()
+                    await self._close_update(t)
             else:
                 consistent = True  # nothing was loaded
         finally:
@@ -211,11 +232,11 @@ class SyncAgent:
             logger.error("replica %s: reporting %s failed (%s); treating it as aborted", self.replica_id, plan.round_id, e)
             return RoundOutcome(plan.round_id, False, -1, f"report failed: {e}", [self.replica_id])
 
-    async def _close_update(self) -> None:
+    async def _close_update(self, timeout_s: float) -> None:
         # End vLLM's update session so the restore round can start a fresh one; the
         # restore overwrites every tensor, so what this finalizes is never served.
         try:
-            await self.engine.finish_weight_update()
+            await asyncio.wait_for(self.engine.finish_weight_update(), timeout_s)
         except Exception as e:
             logger.warning("replica %s: closing the aborted update: %s", self.replica_id, e)
 

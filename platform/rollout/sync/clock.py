@@ -10,10 +10,12 @@ from typing import AsyncIterator
 class PhaseClock:
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}  # phase -> seconds, in the order they ran
+        self.current = ""  # the phase running now (or the last one)
 
     @asynccontextmanager
     async def __call__(self, phase: str) -> AsyncIterator[None]:
         t0 = time.perf_counter()
+        self.current = phase
         try:
             yield
         finally:

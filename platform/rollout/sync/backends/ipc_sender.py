@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from rollout.sync.backends.cuda_device import sending_device
 from rollout.sync.plan import RoundPlan
 
 
@@ -40,9 +41,8 @@ class IpcSender:
     def offer(self, tensors: Sequence[torch.Tensor]) -> dict:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend: 'ipc' shares CUDA memory; the publishing process has no CUDA device")
-        device = torch.device("cuda", torch.cuda.current_device())
+        # The handles name the GPU holding the tensors; it must be the replicas' GPU.
+        device = sending_device(tensors, "ipc")
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         self.close()
         self._shared = [t.detach().to(device).contiguous() for t in tensors]

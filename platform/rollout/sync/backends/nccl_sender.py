@@ -5,6 +5,11 @@ this side opens the NCCL endpoint as rank 0 with vLLM's ``nccl_common.trainer_in
 broadcasts with ``packed_nccl_broadcast_producer``, so both sides split the stream into
 the same ``bucket_bytes`` chunks. Needs a CUDA device in the publishing process.
 
+The communicator sits on the GPU that holds the tensors, not on the process's current
+device: vLLM's ``trainer_init`` uses the current device, and a trainer that sees several
+GPUs (its tensors on ``cuda:1``, its current device ``cuda:0`` where a replica runs)
+otherwise fails on both sides with ``NCCL error: invalid usage``.
+
 Unlike gloo, NCCL collectives carry no deadline of their own: the coordinator's round
 deadline still ends the round for the publisher, but a rank stuck inside a collective is
 only freed when its peer process exits.
@@ -16,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from rollout.sync.backends.cuda_device import sending_device
 from rollout.sync.plan import NCCL_BUFFERS, RoundPlan
 
 
@@ -33,17 +39,21 @@ class NcclSender:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend: 'nccl' needs a CUDA device in the publishing process")
-        group = trainer_init({"master_address": plan.master_address, "master_port": plan.master_port, "world_size": plan.world_size})
-        device = torch.device("cuda", torch.cuda.current_device())
-        named = ((p.name, t) for p, t in zip(plan.params, tensors))
-        packed_nccl_broadcast_producer(
-            iterator=named,
-            group=group,
-            src=0,
-            post_iter_func=lambda item: item[1].to(device, non_blocking=True),
-            buffer_size_bytes=plan.bucket_bytes,
-            num_buffers=NCCL_BUFFERS,
-        )
-        torch.cuda.synchronize()
+        device = sending_device(tensors, "nccl")
+        # trainer_init and the producer's buffers use the current device: make it ours.
+        with torch.cuda.device(device):
+            group = trainer_init({"master_address": plan.master_address, "master_port": plan.master_port, "world_size": plan.world_size})
+            named = ((p.name, t) for p, t in zip(plan.params, tensors))
+            packed_nccl_broadcast_producer(
+                iterator=named,
+                group=group,
+                src=0,
+                post_iter_func=lambda item: item[1].to(device, non_blocking=True),
+                buffer_size_bytes=plan.bucket_bytes,
+                num_buffers=NCCL_BUFFERS,
+            )
+            torch.cuda.synchronize(device)
+            # A communicator per round (the replicas form a new one at every init): release
+            # its NCCL buffers now, not one set per publish. Only after a clean send: with
+            # a peer gone, destroying waits on operations that never complete.
+            group.destroy()

@@ -1,0 +1,123 @@
+"""The GPU check's record: every GPU test's outcome and numbers, in one JSON file.
+
+``tests/gpu/check.sh`` runs these tests on a lent GPU machine with
+``ROLLOUT_GPU_RESULTS`` pointing at the results file; the file is rewritten after every
+test, so a run cut short still says what passed, what failed (with the error) and what
+did not run. ``rollout gpu-report`` renders the README's "Verified on GPU" section from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform as _stdlib_platform
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RESULTS_ENV = "ROLLOUT_GPU_RESULTS"
+# Wall-clock second (epoch) after which checks that have not started are skipped, so a
+# lent machine's stay ends with a results file rather than a killed run.
+DEADLINE_ENV = "ROLLOUT_GPU_DEADLINE"
+
+
+class Record:
+    def __init__(self, path: Path):
+        self.path = path
+        self.data: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "environment": {}, "checks": {}}
+
+    def check(self, nodeid: str) -> dict[str, Any]:
+        name = nodeid.split("::")[-1]
+        return self.data["checks"].setdefault(name, {"outcome": "not run", "metrics": {}})
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        tmp.replace(self.path)
+
+
+_record: Record | None = None
+
+
+def _environment() -> dict[str, Any]:
+    env: dict[str, Any] = {"python": _stdlib_platform.python_version()}
+    for module in ("vllm", "torch", "ray", "transformers"):
+        try:
+            env[module] = __import__(module).__version__
+        except Exception as e:  # noqa: BLE001 - recorded, not hidden
+            env[module] = f"not importable: {type(e).__name__}: {e}"
+    try:
+        import torch
+
+        env["cuda"] = torch.version.cuda
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception as e:  # noqa: BLE001
+        env["gpus"] = f"unknown: {e}"
+    return env
+
+
+def pytest_configure(config):
+    global _record
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        _record = Record(Path(path))
+        _record.data["environment"] = _environment()
+        _record.save()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _record is None:
+        return
+    for item in items:
+        if "/gpu/" in str(item.fspath).replace(os.sep, "/"):
+            _record.check(item.nodeid)
+    _record.save()
+
+
+def pytest_runtest_logreport(report):
+    if _record is None or "/gpu/" not in report.nodeid.replace(os.sep, "/") and not report.nodeid.startswith("gpu/"):
+        return
+    entry = _record.check(report.nodeid)
+    if report.when == "call" or report.outcome != "passed":
+        if report.skipped:
+            entry["outcome"] = "skipped"
+            entry["reason"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        elif report.failed:
+            entry["outcome"] = "failed" if report.when == "call" else f"error in {report.when}"
+            entry["error"] = _short_error(report)
+        else:
+            entry["outcome"] = "passed"
+        entry["seconds"] = round(report.duration, 1) + entry.get("setup_seconds", 0.0)
+    elif report.when == "setup":
+        entry["setup_seconds"] = round(report.duration, 1)
+    _record.save()
+
+
+def _short_error(report) -> str:
+    text = getattr(report, "longreprtext", "") or str(report.longrepr)
+    lines = [l for l in text.splitlines() if l.strip()]
+    # The assertion or exception lines (pytest marks them with "E"), else the tail.
+    marked = [l[1:].strip() for l in lines if l.startswith("E ")]
+    return "\n".join((marked or lines)[-12:])[:3000]
+
+
+@pytest.fixture
+def record(request):
+    """``record(name=value, ...)``: numbers of the running check, kept in the results file."""
+
+    def add(**metrics: Any) -> None:
+        if _record is not None:
+            _record.check(request.node.nodeid)["metrics"].update(metrics)
+            _record.save()
+
+    return add
+
+
+@pytest.fixture(autouse=True)
+def _within_deadline(request):
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline and time.time() > float(deadline):
+        pytest.skip(f"not run: the GPU machine's time ran out (deadline {DEADLINE_ENV}={deadline})")

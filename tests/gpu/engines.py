@@ -1,0 +1,125 @@
+"""What the GPU checks compare the platform against, in Ray actors pinned to given GPUs.
+
+* :class:`BareEngine`: a fresh vLLM ``AsyncLLM`` built from the same engine arguments as
+  the platform's replicas (``rollout.engine.args.engine_kwargs``): the greedy reference,
+  the throughput floor, and (with vLLM's NCCL weight-transfer engine) the target of the
+  one-RPC-per-tensor publishing pattern.
+* :class:`FloorReceiver`: the far end of a raw NCCL broadcast (vLLM's own
+  ``PyNcclCommunicator``), the wire floor a publish is measured against.
+
+Both take no Ray GPU: the tests place them with ``CUDA_VISIBLE_DEVICES`` on the GPU they
+need, the replica's own included (Ray leaves the variable alone for zero-GPU actors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional
+
+import ray
+
+
+def on_gpus(actor_cls, gpus: str):
+    """``actor_cls.options`` placing the actor's CUDA work on ``gpus`` (e.g. ``"0"``, ``"0,1"``)."""
+    return actor_cls.options(runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}})
+
+
+@ray.remote(num_cpus=0, num_gpus=0)
+class BareEngine:
+    async def start(self, model: dict, weight_transfer: Optional[str] = None) -> float:
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from rollout.config import ModelConfig
+        from rollout.engine.args import engine_kwargs
+
+        t0 = time.perf_counter()
+        kwargs = engine_kwargs(ModelConfig.model_validate(model), "cuda")
+        if "distributed_executor_backend" in kwargs:
+            # The platform's TP replicas run their workers as Ray actors in the replica's
+            # placement group; a bare engine outside Serve uses vLLM's own processes.
+            kwargs["distributed_executor_backend"] = "mp"
+        if weight_transfer:
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        return time.perf_counter() - t0
+
+    async def _run(self, requests: list[Any]) -> list[list[int]]:
+        from rollout.engine.convert import to_sampling_params
+
+        async def one(i: int, r: Any) -> list[int]:
+            final = None
+            params = to_sampling_params(r.sampling, r.n)
+            async for out in self.engine.generate({"prompt_token_ids": r.prompt_token_ids}, params, f"bare-{i}-{time.monotonic_ns()}"):
+                final = out
+            return list(final.outputs[0].token_ids)
+
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+
+    async def generate(self, requests: list[Any]) -> list[list[int]]:
+        """Token ids of each request's first sample, in request order."""
+        return await self._run(requests)
+
+    async def timed(self, requests: list[Any]) -> tuple[int, float]:
+        """(generated tokens, seconds) for one concurrent round."""
+        t0 = time.perf_counter()
+        outs = await self._run(requests)
+        return sum(len(o) for o in outs), time.perf_counter() - t0
+
+    async def reload(self, weights_path: str) -> float:
+        """vLLM's own checkpoint reload: the reference for published weights."""
+        t0 = time.perf_counter()
+        await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+        await self.engine.reset_prefix_cache()
+        return time.perf_counter() - t0
+
+    # ---- one RPC + one broadcast per tensor (vLLM's NCCL engine, unpacked) ------------
+
+    async def begin_update(self, address: str, port: int, world_size: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.pause_generation(mode="keep", clear_cache=True)
+        info = dict(master_address=address, master_port=port, rank_offset=1, world_size=world_size, packed=False)
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+        await self.engine.start_weight_update()
+
+    async def update_one(self, name: str, dtype: str, shape: list[int]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        info = dict(names=[name], dtype_names=[dtype], shapes=[shape])
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+    async def finish_update(self, version: str) -> None:
+        await self.engine.finish_weight_update(weight_version=version)
+        await self.engine.resume_generation()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+@ray.remote(num_cpus=0, num_gpus=0)
+class FloorReceiver:
+    def join(self, address: str, port: int) -> None:
+        import torch
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        torch.cuda.set_device(0)
+        self.group = stateless_init_process_group(address, port, rank=1, world_size=2, device=0)
+
+    def receive(self, nbytes: int, sizes: Optional[list[int]] = None) -> float:
+        """One handshake element, then ``nbytes`` as one buffer, or one buffer per size."""
+        import torch
+
+        stream = torch.cuda.current_stream()
+        self.group.broadcast(torch.empty(1, device="cuda"), src=0, stream=stream)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if sizes is None:
+            self.group.broadcast(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), src=0, stream=stream)
+        else:
+            for n in sizes:
+                self.group.broadcast(torch.empty(n, dtype=torch.uint8, device="cuda"), src=0, stream=stream)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
