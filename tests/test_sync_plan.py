@@ -110,6 +110,6 @@ def test_ipc_publishers_need_a_cuda_device_and_say_so():
     sender = make_sender("ipc")
     assert sender.group_name is None
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA; tests/test_gpu_senders.py covers the real handles")
+        pytest.skip("this machine has CUDA; tests/gpu/test_gpu_senders.py covers the real handles")
     with pytest.raises(RuntimeError, match="backend: 'ipc' needs a CUDA device"):
         sender.offer([torch.zeros(2)])

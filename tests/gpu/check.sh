@@ -5,7 +5,7 @@
 #                                     transformers are there already): start it first, in the background
 #   bash tests/gpu/check.sh install   verify and unpack the transferred parts, install the overlay
 #                                     (vllm 0.32.0, torch 2.13.0+cu130, ray 2.60.0) and the project
-#   bash tests/gpu/check.sh run [S]   run the GPU tests (tests/gpu, tests/test_gpu_senders.py), at most S
+#   bash tests/gpu/check.sh run [S]   run the GPU tests (tests/gpu/test_gpu_*.py), at most S
 #                                     seconds (default 1500); results.json and check.log go to $OUT
 #                                     (or $ROLLOUT_GPU_WORK/out), rewritten after every test
 #
@@ -83,7 +83,7 @@ run() {
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$RESULTS_DIR/gpus.txt" 2>&1
     # The project's tests/ is imported from this tree (the engines' code ships to Ray workers by value).
     timeout "$budget" "$PY" -m pytest -p no:cacheprovider -v -rA --timeout 1200 -o addopts="" \
-        tests/gpu tests/test_gpu_senders.py 2>&1 | tee "$RESULTS_DIR/check.log"
+        tests/gpu/test_gpu_senders.py tests/gpu/test_gpu_platform.py 2>&1 | tee "$RESULTS_DIR/check.log"
     local rc=${PIPESTATUS[0]}
     # Serve's and the replicas' logs: the first place to look when a check failed.
     tar -czf "$RESULTS_DIR/ray-logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null

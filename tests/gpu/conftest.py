@@ -68,17 +68,23 @@ def pytest_configure(config):
         _record.save()
 
 
+def _is_gpu_test(nodeid: str) -> bool:
+    # tests/gpu/* and tests/test_gpu_*.py: the GPU-only tests the check runs.
+    path = nodeid.split("::")[0].replace(os.sep, "/")
+    return "/gpu/" in f"/{path}" or Path(path).name.startswith("test_gpu_")
+
+
 def pytest_collection_modifyitems(config, items):
     if _record is None:
         return
     for item in items:
-        if "/gpu/" in str(item.fspath).replace(os.sep, "/"):
+        if _is_gpu_test(item.nodeid):
             _record.check(item.nodeid)
     _record.save()
 
 
 def pytest_runtest_logreport(report):
-    if _record is None or "/gpu/" not in report.nodeid.replace(os.sep, "/") and not report.nodeid.startswith("gpu/"):
+    if _record is None or not _is_gpu_test(report.nodeid):
         return
     entry = _record.check(report.nodeid)
     if report.when == "call" or report.outcome != "passed":

@@ -39,6 +39,8 @@ THROUGHPUT_CONCURRENCY = (64, 256)
 THROUGHPUT_ROUNDS = 3
 THROUGHPUT_TOKENS = 128
 PUBLISHES = 4  # the first forms the NCCL group; the rest are the steady state
+# Below this a GPU holds no engine (a replica takes gpu_memory_utilization of ~80 GB).
+GPU_IDLE_BYTES = 8 << 30
 
 # What the checks hand on to later ones (the perturbed policy's greedy reference, ...).
 state: dict = {}
@@ -80,19 +82,36 @@ def platform_cfg(app: str, backend: str, replicas: int = 1, **model_overrides):
     )
 
 
-def deploy(cfg) -> float:
+def deploy(cfg, timeout_s: float = 600.0) -> float:
+    """Deploy (or rescale) ``cfg``'s app; seconds until every replica is up. Serve retries
+    a replica that fails to start, so a failure surfaces here as the deadline."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from rollout.app import deploy as deploy_app
 
     t0 = time.perf_counter()
-    deploy_app(cfg)
+    pool = ThreadPoolExecutor(1)
+    try:
+        pool.submit(deploy_app, cfg).result(timeout=timeout_s)
+    finally:
+        pool.shutdown(wait=False)
     return time.perf_counter() - t0
 
 
-def delete(app: str) -> None:
+def delete(app: str, timeout_s: float = 120.0) -> None:
+    """Delete ``app`` and wait until its engines have given their GPU memory back."""
     from ray import serve
 
     serve.delete(app)
-    time.sleep(3)  # engine processes release their GPU memory
+    wait_for(lambda: all(used < GPU_IDLE_BYTES for used in gpu_memory_used()), timeout_s, 2.0)
+
+
+def gpu_memory_used() -> list[int]:
+    used = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        used.append(total - free)
+    return used
 
 
 def requests(prompts=PROMPTS, max_tokens: int = MAX_TOKENS, session: str | None = None):
@@ -123,10 +142,7 @@ def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
 
 def gpu_by_memory() -> tuple[int, int]:
     """(busiest GPU, freest GPU) by memory in use: the replica's GPU and the trainer's."""
-    used = []
-    for i in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(i)
-        used.append(total - free)
+    used = gpu_memory_used()
     order = sorted(range(len(used)), key=lambda i: used[i])
     return order[-1], order[0]
 

@@ -1,8 +1,7 @@
 """Trainer-side senders with a GPU trainer: the ``ipc`` handles another process on the
 same GPU reads exactly as vLLM's ``IPCWeightTransferEngine`` rebuilds them, and ``gloo``
-publishing straight from GPU tensors. Skipped without CUDA (CI is CPU-only); run on a
-GPU machine with ``pytest --noconftest tests/test_gpu_senders.py``: torch only, no
-vLLM or Ray."""
+publishing straight from GPU tensors. Skipped without CUDA (CI is CPU-only);
+``tests/gpu/check.sh run`` runs them on a GPU machine (they need torch only, no vLLM or Ray)."""
 
 from __future__ import annotations
 
