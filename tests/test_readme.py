@@ -17,3 +17,30 @@ def test_readme_shows_the_two_commands_and_ci_runs_the_test_command():
     text = README.read_text()
     assert "make test" in text and "make demo" in text
     assert "make test" in (README.parent / ".ci" / "run").read_text()
+
+
+def test_readme_gpu_section_is_generated_from_the_committed_results():
+    from rollout import gpu_report
+
+    text = README.read_text()
+    block = text[text.index(gpu_report.BEGIN) : text.index(gpu_report.END) + len(gpu_report.END)]
+    assert block == gpu_report.render_file(gpu_report.latest_results()), "README is stale: run `rollout gpu-report --readme README.md`"
+
+
+def test_gpu_report_says_what_did_not_pass_and_why():
+    from rollout.gpu_report import render
+
+    results = {
+        "started": "2026-11-26T00:00:00Z",
+        "environment": {"vllm": "0.32.0", "torch": "2.13.0+cu130", "ray": "2.60.0", "gpus": ["H100", "H100"]},
+        "checks": {
+            "test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_gloo_publish": {"outcome": "failed", "error": "AssertionError: prompt 0 differs\nmore", "metrics": {}},
+            "test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_version": {"outcome": "not run", "metrics": {}},
+            "test_contiguous_gpu_parameters_are_shared_in_place_without_a_copy": {"outcome": "passed", "metrics": {}},
+        },
+    }
+    text = render(results, "docs/gpu/x.json")
+    assert "2x H100: vLLM 0.32.0" in text
+    assert "| **failed**: AssertionError: prompt 0 differs |" in text
+    assert "| **not run** |" in text
+    assert "1 of 1 passed" in text

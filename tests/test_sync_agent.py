@@ -85,3 +85,33 @@ async def test_a_replica_that_starts_behind_a_committed_checkpoint_reloads_it_be
     assert [c[0] for c in engine.calls] == ["pause_generation", "collective_rpc", "update_weight_version", "resume_generation"]
     assert engine.calls[1] == ("collective_rpc", "reload_weights", {"weights_path": "/shared/policy-v1"})
     assert engine.calls[2] == ("update_weight_version", "1")
+
+
+class BlockedEngine(RecordingEngine):
+    """vLLM's AsyncLLM whose worker is stuck in a collective: update_weights never returns."""
+
+    async def update_weights(self, *args, **kwargs):
+        self.calls.append(("update_weights",))
+        await asyncio.Event().wait()
+
+
+async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement_and_calls_it_no_more(model_dir, monkeypatch):
+    # NCCL has no deadline: after a trainer dies mid-broadcast, the replica's worker waits
+    # forever and every later engine call (finish, pause, reload) would queue behind it.
+    import rollout.sync.agent as agent_module
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    monkeypatch.setattr(agent_module, "WEDGED_GRACE_S", 0.2)
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5}}, "nccl")
+    coordinator._token = None
+    specs = checkpoint_spec(str(model_dir))
+    await coordinator.register("a", 1, 0, specs)
+    plan = await coordinator.begin_round(None, specs, None, "127.0.0.1", 1, None, None, None)
+    engine = BlockedEngine()
+    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
+
+    assert await asyncio.wait_for(agent._apply(plan), 10) is False
+    assert "the engine did not finish receive within 1s" in agent.broken and "must be replaced" in agent.broken
+    assert [c[0] for c in engine.calls] == ["pause_generation", "init_weight_transfer_engine", "start_weight_update", "update_weights"]
+    assert agent.version == 0

@@ -92,6 +92,17 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_report(args: argparse.Namespace) -> int:
+    from rollout.gpu_report import latest_results, render_file, update_readme
+
+    results = Path(args.results) if args.results else latest_results()
+    if args.readme:
+        print(f"{args.readme}: {'updated' if update_readme(Path(args.readme), results) else 'up to date'} from {results}")
+    else:
+        print(render_file(results))
+    return 0
+
+
 def _monitoring_assets(args: argparse.Namespace) -> int:
     from rollout.monitoring import write_assets
 
@@ -146,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--namespace", default="default", help="namespace of the RayService (with --kube)")
     st.add_argument("--name", default="rollout", help="name of the RayService (with --kube)")
     st.set_defaults(func=_status)
+
+    g = sub.add_parser("gpu-report", help="render the README's 'Verified on GPU' section from a GPU check's results file")
+    g.add_argument("--results", default=None, help="results JSON (default: the newest docs/gpu/results-*.json)")
+    g.add_argument("--readme", default=None, help="rewrite the section in this README instead of printing it")
+    g.set_defaults(func=_gpu_report)
 
     ma = sub.add_parser("monitoring-assets", help="write the Grafana dashboard and alert rules (k8s/monitoring and the chart)")
     ma.set_defaults(func=_monitoring_assets)

@@ -132,6 +132,22 @@ def tokens(results) -> list[list[int]]:
     return [r.samples[0].token_ids for r in results]
 
 
+def greedy(run, session: str | None = None) -> list[list[int]]:
+    """Greedy tokens of every prompt, one request at a time: in bf16 the batch a request
+    shares changes its numerics, so references are compared on the same (single) batches."""
+    return [run(requests([p], session=session))[0] for p in PROMPTS]
+
+
+def on_platform(client):
+    return lambda reqs: tokens(client.generate_sync(reqs))
+
+
+def on_engine(engine):
+    import ray
+
+    return lambda reqs: ray.get(engine.generate.remote(reqs), timeout=300)
+
+
 def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
@@ -271,10 +287,10 @@ def test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput(clus
     bare, start_s = start_engine(str(replica_gpu), cfg.model.model_dump(mode="json"), weight_transfer="nccl")
     state["bare"] = bare
     record(bare_engine_start_s=round(start_s, 1), replica_gpu=replica_gpu)
-    want = ray.get(bare.generate.remote(requests()))
+    want = greedy(on_engine(bare))
     state["reference_v0"] = want
-    via_handle = tokens(handle.generate_sync(requests()))
-    via_http = tokens(http.generate_sync(requests()))
+    via_handle = greedy(on_platform(handle))
+    via_http = greedy(on_platform(http))
     record(handle_greedy=first_mismatch(via_handle, want), http_greedy=first_mismatch(via_http, want))
 
     points = []
@@ -343,7 +359,7 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
     state["committed"] = version
     record(publish_s=seconds, publish_phases=phases, version=version)
 
-    results = state["handle"].generate_sync(requests())
+    results = [state["handle"].generate_sync(requests([p]))[0] for p in PROMPTS]
     got = tokens(results)
     spans = {s.version for r in results for s in r.samples[0].weight_versions}
 
@@ -366,7 +382,7 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
         per_tensor_s = time.perf_counter() - t0
         group.destroy()
     reload_s = ray.get(bare.reload.remote(str(perturbed)), timeout=300)
-    want = ray.get(bare.generate.remote(requests()))
+    want = greedy(on_engine(bare))
     state["reference_perturbed"] = want
     record(per_tensor_rpc_s=round(per_tensor_s, 4), reference_reload_s=round(reload_s, 2))
 
@@ -444,7 +460,7 @@ def test_a_replica_added_after_a_commit_serves_the_committed_version_from_the_ch
     want = state["reference_perturbed"]
     seen_new, mismatches = 0, []
     for attempt in range(40):
-        results = state["handle"].generate_sync(requests(session=f"catch-up-{attempt}"))
+        results = [state["handle"].generate_sync(requests([p], session=f"catch-up-{attempt}-{i}"))[0] for i, p in enumerate(PROMPTS)]
         for r, w in zip(results, want):
             if r.samples[0].token_ids != w:
                 mismatches.append((r.replica_id, first_mismatch([r.samples[0].token_ids], [w])))
@@ -484,8 +500,7 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(cluster,
         seconds.append(round(time.perf_counter() - t0, 4))
     peak_growth = torch.cuda.max_memory_allocated(device) - before
     pub.close()
-    results = RolloutClientFor(cfg.app_name).generate_sync(requests())
-    got = tokens(results)
+    got = greedy(on_platform(RolloutClientFor(cfg.app_name)))
     want = state["reference_perturbed"]
     record(
         replica_gpu=replica_gpu,
@@ -524,8 +539,8 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
     client = RolloutClientFor(cfg.app_name)
     reference, start_s = start_engine("0,1", cfg.model.model_dump(mode="json"))
     try:
-        want = ray.get(reference.generate.remote(requests()))
-        got = tokens(client.generate_sync(requests()))
+        want = greedy(on_engine(reference))
+        got = greedy(on_platform(client))
         record(reference_start_s=round(start_s, 1), greedy=first_mismatch(got, want))
         assert got == want, first_mismatch(got, want)
 
@@ -536,8 +551,8 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
         publish_s = time.perf_counter() - t0
         pub.close()
         ray.get(reference.reload.remote(str(perturbed)), timeout=300)
-        want = ray.get(reference.generate.remote(requests()))
-        results = client.generate_sync(requests())
+        want = greedy(on_engine(reference))
+        results = [client.generate_sync(requests([p]))[0] for p in PROMPTS]
         got = tokens(results)
         record(publish_s=round(publish_s, 3), version=version, phases=pub.last_outcome.phases, greedy_after_publish=first_mismatch(got, want))
         assert got == want, first_mismatch(got, want)
@@ -621,8 +636,7 @@ def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_vers
                 return None
             if not status["replicas"] or any(r["version"] != committed for r in status["replicas"].values()):
                 return None
-            results = client.generate_sync(requests())
-            return status if tokens(results) == want else None
+            return status if greedy(on_platform(client)) == want else None
         except Exception:  # noqa: BLE001 - replicas being replaced answer with errors meanwhile
             return None
 
