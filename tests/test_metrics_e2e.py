@@ -90,14 +90,14 @@ async def test_a_publish_shows_the_committed_version_and_a_sync_duration_sample(
 
 
 async def test_every_dashboard_and_alert_expression_returns_data(prometheus, publisher, handle_client, model_dir, platform):
-    from rollout.sync.publisher import _free_port, _own_address
-    from rollout.sync.wire import ParamSpec
+    from rollout.sync.net import free_port as _free_port, own_address as _own_address
+    from rollout.sync.protocol import ParamSpec, RoundRequest
 
     # Traffic for the rate() windows, and one failed round for the failure counter.
     await handle_client.generate([RolloutRequest(prompt="the policy model", n=4, sampling=SamplingConfig(max_tokens=16)) for _ in range(8)])
     coord = publisher._coordinator
     model = perturbed_policy(model_dir, seed=8)
-    plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, [ParamSpec.of(n, p) for n, p in model.named_parameters()], None, _own_address(), _free_port())
+    plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, RoundRequest(tuple([ParamSpec.of(n, p) for n, p in model.named_parameters()]), _own_address(), _free_port()))
     await asyncio.to_thread(coord.finish, plan.round_id, "trainer gave up")
     await handle_client.generate([RolloutRequest(prompt="after the failed round", sampling=SamplingConfig(max_tokens=8))])
     missing = []

@@ -8,6 +8,7 @@ import pytest
 
 from rollout.errors import StaleWeightsError
 from rollout.sync.agent import SyncAgent
+from rollout.sync.protocol import RoundRequest
 
 
 async def test_a_request_waits_for_the_version_it_needs_and_fails_retryably_after_the_deadline(model_dir):
@@ -70,7 +71,7 @@ async def test_a_replica_that_starts_behind_a_committed_checkpoint_reloads_it_be
     coordinator._token = None
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 0, specs)
-    plan = await coordinator.begin_round(None, specs, None, "127.0.0.1", 1, None, None, "/shared/policy-v1")
+    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1, checkpoint="/shared/policy-v1"))
     asyncio.get_running_loop().create_task(coordinator.report(plan.round_id, "a", None))
     finish = asyncio.create_task(coordinator.finish(plan.round_id))
     await asyncio.sleep(0.05)
@@ -107,7 +108,7 @@ async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement
     coordinator._token = None
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 0, specs)
-    plan = await coordinator.begin_round(None, specs, None, "127.0.0.1", 1, None, None, None)
+    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
     engine = BlockedEngine()
     agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from rollout.sync.coordinator import WeightSyncCoordinator
-from rollout.sync.wire import ParamSpec
+from rollout.sync.protocol import ParamSpec, RoundRequest
 
 SPECS = [ParamSpec("w", "float32", (2, 2))]
 
@@ -23,9 +23,9 @@ async def test_a_member_that_reports_after_the_decision_and_a_newer_round_still_
     c = coordinator()
     for rid in ("a", "b"):
         await c.register(rid, 1, 0, SPECS)
-    first = await c.begin_round(None, SPECS, None, "127.0.0.1", 1)
+    first = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1))
     await c.report(first.round_id, "a", "receive failed")  # decides: aborted
-    second = await c.begin_round(None, SPECS, None, "127.0.0.1", 2)
+    second = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 2))
     late = await c.report(first.round_id, "b", None)  # b's receive timed out late
     assert late.round_id == first.round_id and not late.committed
     assert c.round.plan.round_id == second.round_id and not c.round.decided.is_set(), "the open round is untouched"
@@ -35,7 +35,7 @@ async def test_the_publisher_returns_once_every_member_serves_the_committed_vers
     c = coordinator()
     for rid in ("a", "b"):
         await c.register(rid, 1, 0, SPECS)
-    plan = await c.begin_round(None, SPECS, None, "127.0.0.1", 1)
+    plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1))
     for rid in ("a", "b"):
         asyncio.get_running_loop().create_task(c.report(plan.round_id, rid, None))
     finish = asyncio.create_task(c.finish(plan.round_id))
@@ -50,9 +50,9 @@ async def test_the_publisher_returns_once_every_member_serves_the_committed_vers
 async def test_rounds_run_one_at_a_time_and_a_second_publisher_gets_a_clear_error():
     c = coordinator()
     await c.register("a", 1, 0, SPECS)
-    await c.begin_round(None, SPECS, None, "127.0.0.1", 1)
+    await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1))
     with pytest.raises(Exception, match="one at a time"):
-        await c.begin_round(None, SPECS, None, "127.0.0.1", 2)
+        await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 2))
 
 
 async def commit(c: WeightSyncCoordinator, plan, members=("a",)):
@@ -68,20 +68,20 @@ async def commit(c: WeightSyncCoordinator, plan, members=("a",)):
 async def test_rounds_reuse_the_transfer_group_until_membership_changes_or_a_round_fails():
     c = coordinator()
     await c.register("a", 1, 0, SPECS)
-    first = await c.begin_round(None, SPECS, None, "10.0.0.1", 1001)
+    first = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.0.0.1", 1001))
     assert first.group == first.round_id, "the first round forms a group of its own"
     await commit(c, first)
-    second = await c.begin_round(None, SPECS, None, "10.0.0.1", 1002, first.group)
+    second = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.0.0.1", 1002, reuse_group=first.group))
     assert (second.group, second.master_port) == (first.group, 1001), "same members: the kept group"
     await commit(c, second)
-    third = await c.begin_round(None, SPECS, None, "10.0.0.1", 1003, "some-other-group")
+    third = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.0.0.1", 1003, reuse_group="some-other-group"))
     assert third.group == third.round_id and third.master_port == 1003, "the publisher no longer holds it"
     await commit(c, third)
     await c.register("b", 1, 0, SPECS)
-    fourth = await c.begin_round(None, SPECS, None, "10.0.0.1", 1004, third.group)
+    fourth = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.0.0.1", 1004, reuse_group=third.group))
     assert fourth.group == fourth.round_id, "a new member: a new group"
     await c.report(fourth.round_id, "b", "receive failed")
-    fifth = await c.begin_round(None, SPECS, None, "10.0.0.1", 1005, fourth.group)
+    fifth = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.0.0.1", 1005, reuse_group=fourth.group))
     assert fifth.group == fifth.round_id, "after an abort some participants dropped the group"
 
 
@@ -89,7 +89,7 @@ async def test_an_ipc_round_carries_the_publishers_handles_to_every_member_and_k
     c = coordinator("ipc")
     await c.register("a", 1, 0, SPECS)
     handles = {"ipc_handles_pickled": "aGFuZGxlcw=="}
-    plan = await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, handles)
+    plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, transfer_info=handles))
     assert plan.update_info()["ipc_handles_pickled"] == handles["ipc_handles_pickled"]
     assert plan.keeper_rank is None and c.keeper is None
     await commit(c, plan)
@@ -106,36 +106,36 @@ async def test_transfer_info_that_does_not_fit_the_backend_is_rejected_before_a_
     c = coordinator(backend)
     await c.register("a", 1, 0, SPECS)
     with pytest.raises(InvalidRequestError, match="transfer_info") as e:
-        await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, transfer_info)
+        await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, transfer_info=transfer_info))
     assert e.value.field.startswith("transfer_info")
     assert c.round is None, "no round opened, no replica woke"
 
 
 def test_ipc_handles_never_travel_over_http():
-    from rollout.sync.coordinator import SyncError
+    from rollout.sync.protocol import SyncError
     from rollout.sync.remote import HttpCoordinator
 
     client = HttpCoordinator("http://127.0.0.1:9", None, 1.0)  # nothing listens: it must refuse before sending
     with pytest.raises(SyncError, match="cannot travel over HTTP"):
-        client.begin_round(None, SPECS, None, "127.0.0.1", 1, None, {"ipc_handles_pickled": "x"})
+        client.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, transfer_info={"ipc_handles_pickled": "x"}))
 
 
 async def test_without_a_weight_copy_or_a_checkpoint_a_restore_fails_and_says_how_to_enable_one():
-    from rollout.sync.coordinator import SyncError
+    from rollout.sync.protocol import SyncError
 
     c = coordinator()  # nccl: no keeper
     await c.register("a", 1, 0, SPECS)
-    await commit(c, await c.begin_round(None, SPECS, None, "127.0.0.1", 1))
+    await commit(c, await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1)))
     with pytest.raises(SyncError, match="publish with checkpoint="):
         await c.restore("a")
 
 
 async def test_a_committed_checkpoint_is_what_restores_reload_until_a_publish_without_one_replaces_it():
-    from rollout.sync.coordinator import SyncError
+    from rollout.sync.protocol import SyncError
 
     c = coordinator()
     await c.register("a", 1, 0, SPECS)
-    await commit(c, await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, None, "/ckpt/v1"))
+    await commit(c, await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, checkpoint="/ckpt/v1")))
     await c.register("b", 1, 0, SPECS)  # starts behind
     plan = await c.restore("b")
     assert (plan.round_id.split("-")[0], plan.checkpoint, plan.version, plan.restore) == ("reload", "/ckpt/v1", 1, True)
@@ -143,7 +143,7 @@ async def test_a_committed_checkpoint_is_what_restores_reload_until_a_publish_wi
     outcome = await c.report(plan.round_id, "b", None)  # nothing is sent: b's report decides
     assert outcome.committed and c.committed_version == 1
     await c.applied(plan.round_id, "b", 1)
-    await commit(c, await c.begin_round(None, SPECS, None, "127.0.0.1", 2), members=("a", "b"))
+    await commit(c, await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 2)), members=("a", "b"))
     with pytest.raises(SyncError, match="keeps no copy"):
         await c.restore("b")  # the checkpoint holds version 1, not the committed 2
 
@@ -154,7 +154,7 @@ async def test_a_checkpoint_must_be_an_absolute_path():
     c = coordinator()
     await c.register("a", 1, 0, SPECS)
     with pytest.raises(InvalidRequestError, match="absolute path") as e:
-        await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, None, "ckpt/v1")
+        await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, checkpoint="ckpt/v1"))
     assert e.value.field == "checkpoint" and c.round is None
 
 
@@ -163,7 +163,7 @@ async def test_a_member_waiting_for_a_slow_decision_is_not_dropped_as_silent():
     c.poll_s = 0.01  # the silence horizon is 3 polls
     await c.register("a", 1, 0, SPECS)
     await c.register("b", 1, 0, SPECS)
-    plan = await c.begin_round(None, SPECS, None, "127.0.0.1", 1, None, None, "/ckpt/v1")
+    plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, checkpoint="/ckpt/v1"))
     waiting = asyncio.create_task(c.report(plan.round_id, "a", None))  # b never reports (it died)
     await asyncio.sleep(0.1)
     c._live()

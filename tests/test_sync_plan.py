@@ -5,14 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.sync.backends import make_sender
-from rollout.sync.plan import RoundPlan, assign_ranks
-from rollout.sync.wire import ParamSpec, bucket_bytes_of, pack, plan_buckets, unpack
+from rollout.sync.backends import get_backend, make_sender
+from rollout.sync.coordinator import assign_ranks
+from rollout.sync.protocol import RoundPlan
+from rollout.sync.protocol import ParamSpec
+from rollout.sync.wire import bucket_bytes_of, pack, plan_buckets, unpack
 
 
 def plan(backend: str) -> RoundPlan:
     members, world = assign_ranks({"b": 2, "a": 1})
     return RoundPlan("round-1-x", 1, backend, "10.0.0.1", 29500, world, members, (ParamSpec("w", "float32", (2, 3)),), 1 << 20, "keep", 30.0)
+
+
+def init_info(p: RoundPlan, replica_id: str) -> dict:
+    return get_backend(p.backend).init_info(p, p.member(replica_id))
 
 
 def test_ranks_are_contiguous_blocks_after_the_trainer_and_account_for_tensor_parallelism():
@@ -24,7 +30,7 @@ def test_ranks_are_contiguous_blocks_after_the_trainer_and_account_for_tensor_pa
 def test_nccl_plans_produce_vllms_own_worker_init_info():
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
-    info = NCCLWeightTransferInitInfo(**plan("nccl").init_info("b"))
+    info = NCCLWeightTransferInitInfo(**init_info(plan("nccl"), "b"))
     assert (info.rank_offset, info.world_size, info.packed) == (2, 4, True)
     assert info.packed_buffer_size_bytes == 1 << 20
 
@@ -32,12 +38,12 @@ def test_nccl_plans_produce_vllms_own_worker_init_info():
 def test_gloo_plans_produce_our_worker_init_info():
     from rollout.sync.backends.gloo_worker import GlooInitInfo
 
-    info = GlooInitInfo(**plan("gloo").init_info("a"))
+    info = GlooInitInfo(**init_info(plan("gloo"), "a"))
     assert (info.rank_offset, info.world_size, info.group_name) == (1, 4, "round-1-x")
 
 
 def test_unknown_backends_are_rejected_by_name():
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="backend: unknown 'carrier-pigeon' \\(available: 'gloo', 'nccl', 'ipc'\\)"):
         make_sender("carrier-pigeon")
     assert type(make_sender("nccl")).__name__ == "NcclSender"
 
@@ -58,9 +64,9 @@ def test_packed_buckets_round_trip_every_tensor():
 def test_pipelined_buckets_arrive_intact_at_every_receiver_and_a_kept_group_serves_the_next_round():
     import threading
 
-    from rollout.sync.backends.gloo_group import GroupSlot
+    from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
     from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
-    from rollout.sync.publisher import _free_port
+    from rollout.sync.net import free_port as _free_port
 
     specs_tensors = {f"t{i}": torch.randn(i + 3, 5) for i in range(7)}
     specs = [ParamSpec.of(n, t) for n, t in specs_tensors.items()]
@@ -70,14 +76,14 @@ def test_pipelined_buckets_arrive_intact_at_every_receiver_and_a_kept_group_serv
     groups_of_round = []
 
     def receiver(rank: int) -> None:
-        group = slots[rank].join("g", "127.0.0.1", port, rank, world, 30.0)
+        group = slots[rank].join(Rendezvous("g", "127.0.0.1", port, world, 30.0), rank)
         received[rank] = {n: t.clone() for named in receive_buckets(group, specs, 200) for n, t in named}
 
     for round_no in range(2):
         threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
         for t in threads:
             t.start()
-        sender = slots[0].join("g", "127.0.0.1", port, 0, world, 30.0)
+        sender = slots[0].join(Rendezvous("g", "127.0.0.1", port, world, 30.0), 0)
         scaled = [t * (round_no + 1) for t in specs_tensors.values()]
         send_buckets(sender, specs, scaled, 200)  # several buckets of at most 200 bytes
         for t in threads:
@@ -98,7 +104,7 @@ def test_ipc_plans_produce_vllms_own_ipc_init_and_update_info(monkeypatch):
 
     handles = [{"GPU-uuid": ("rebuild", "args")}]
     ipc = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()})
-    assert IPCWeightTransferInitInfo(**ipc.init_info("a")).packed is False
+    assert IPCWeightTransferInitInfo(**init_info(ipc, "a")).packed is False
     # vLLM reads pickled handles only where insecure serialization is allowed, as it is
     # in ipc replicas (rollout.engine.replica sets it for them).
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

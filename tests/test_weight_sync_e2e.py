@@ -163,8 +163,8 @@ async def test_a_trainer_that_never_sends_ends_the_round_with_an_error_and_the_n
     publisher, platform, handle_client, policy_v1
 ):
     """The trainer opens a round and dies before sending: the replicas' receive times out."""
-    from rollout.sync.publisher import _free_port, _own_address
-    from rollout.sync.wire import ParamSpec
+    from rollout.sync.net import free_port as _free_port, own_address as _own_address
+    from rollout.sync.protocol import ParamSpec, RoundRequest
 
     model, _ = policy_v1
     status = await asyncio.to_thread(publisher.status)
@@ -172,7 +172,7 @@ async def test_a_trainer_that_never_sends_ends_the_round_with_an_error_and_the_n
     (before,) = await handle_client.generate([greedy(PROMPTS[1], 16)])
     coord = publisher._coordinator
     specs = [ParamSpec.of(n, p) for n, p in model.named_parameters()]
-    plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, specs, None, _own_address(), _free_port())
+    plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, RoundRequest(tuple(specs), _own_address(), _free_port()))
     outcome = await asyncio.wait_for(asyncio.to_thread(coord.finish, plan.round_id, "trainer died"), timeout=3 * platform.sync.timeout_s + 30)
     assert not outcome.committed and "trainer" in outcome.error
     assert (await asyncio.to_thread(publisher.status))["committed_version"] == committed
@@ -186,18 +186,19 @@ TRAINER_THAT_DIES = r"""
 import os, sys, torch, ray
 from ray import serve
 from transformers import AutoModelForCausalLM
-from rollout.sync.coordinator import COORDINATOR_NAME
-from rollout.sync.backends.gloo_group import GlooGroup
-from rollout.sync.publisher import _free_port, _own_address
-from rollout.sync.wire import ParamSpec, pack, plan_buckets
+from rollout.sync.protocol import COORDINATOR_NAME
+from rollout.sync.backends.gloo_group import GlooGroup, Rendezvous
+from rollout.sync.net import free_port as _free_port, own_address as _own_address
+from rollout.sync.protocol import ParamSpec, RoundRequest
+from rollout.sync.wire import pack, plan_buckets
 
 ray.init(address=os.environ["RAY_ADDRESS"], namespace="rollout-tests", log_to_driver=False)
 coord = serve.get_deployment_handle(COORDINATOR_NAME, app_name=sys.argv[2])
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 tensors = dict(model.named_parameters())
 specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
-plan = coord.begin_round.remote(os.environ["ROLLOUT_SYNC_TOKEN"], specs, None, _own_address(), _free_port()).result()
-group = GlooGroup(plan.master_address, plan.master_port, 0, plan.world_size, plan.timeout_s, plan.round_id)
+plan = coord.begin_round.remote(os.environ["ROLLOUT_SYNC_TOKEN"], RoundRequest(tuple(specs), _own_address(), _free_port())).result()
+group = GlooGroup(Rendezvous(plan.round_id, plan.master_address, plan.master_port, plan.world_size, plan.timeout_s), 0)
 buckets = plan_buckets(plan.params, 1 << 16)
 assert plan.bucket_bytes == 1 << 16 and len(buckets) > 4, len(buckets)
 for b in buckets[: len(buckets) // 2]:
@@ -293,8 +294,8 @@ async def test_a_replica_added_later_serves_the_committed_version_before_its_fir
 async def test_a_rank_that_never_joins_ends_the_round_within_the_deadline_and_it_drops_out(
     publisher, platform, handle_client, policy_v1
 ):
-    from rollout.sync.coordinator import COORDINATOR_NAME
-    from rollout.sync.wire import ParamSpec
+    from rollout.sync.protocol import COORDINATOR_NAME
+    from rollout.sync.protocol import ParamSpec
 
     from ray import serve
 

@@ -138,12 +138,6 @@ def pinned(deployment: Deployment, *init_args: Any) -> Deployment:
     return deployment.options(version=digest.hexdigest()[:16], _internal=True)
 
 
-def sync_backend(cfg: PlatformConfig, device: str) -> str:
-    if cfg.sync.backend != "auto":
-        return cfg.sync.backend
-    return "nccl" if device == "cuda" else "gloo"
-
-
 def build_application(cfg: PlatformConfig) -> Application:
     from rollout.engine.replica import RolloutEngine
     from rollout.http.ingress import HttpIngress
@@ -153,9 +147,11 @@ def build_application(cfg: PlatformConfig) -> Application:
     config = replica_args(cfg)
     coordinator, backend = None, None
     if cfg.sync.enabled:
-        from rollout.sync.coordinator import COORDINATOR_NAME, WeightSyncCoordinator
+        from rollout.sync.backends import resolve_backend
+        from rollout.sync.coordinator import WeightSyncCoordinator
+        from rollout.sync.protocol import COORDINATOR_NAME
 
-        backend = sync_backend(cfg, device)
+        backend = resolve_backend(cfg.sync.backend, device)
         coordinator = serve.deployment(WeightSyncCoordinator).options(
             name=COORDINATOR_NAME,
             num_replicas=1,

@@ -25,6 +25,9 @@ from typing import Any, Literal, Mapping, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout.sync.backends import AUTO, backend_names
+from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, SYNC_TOKEN_ENV, PauseMode
+
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "ROLLOUT_"
@@ -221,15 +224,19 @@ class MetricsConfig(_Section):
     port: int = Field(default=8080, ge=1, le=65535, description="Ray metrics-export port, 1..65535.")
 
 
+# The registry's backends (rollout.sync.backends), and ``auto``.
+SyncBackendName = Literal[(AUTO, *backend_names())]
+
+
 class SyncConfig(_Section):
     """Weight sync from trainer jobs into every replica."""
 
     enabled: bool = Field(default=True, description="Deploy the weight-sync coordinator and let trainers publish weights.")
-    backend: Literal["auto", "gloo", "nccl", "ipc"] = Field(
+    backend: SyncBackendName = Field(
         default="auto",
         description="Transport between trainer and engines: `gloo` (CPU; ours, with the coordinator's weight copy for catch-up and rollback), `nccl` (GPU; vLLM's engine), `ipc` (GPU, a trainer on the replicas' GPU; vLLM's CUDA IPC engine, zero-copy); `auto` picks `gloo` or `nccl` by device.",
     )
-    pause_mode: Literal["keep", "wait", "abort"] = Field(
+    pause_mode: PauseMode = Field(
         default="keep",
         description="Requests in flight during an update: `keep` continues them on the new weights (their spans show the switch), `wait` finishes them first, `abort` ends them.",
     )
@@ -241,12 +248,12 @@ class SyncConfig(_Section):
         description="Most versions a replica may lag the committed version and still start requests (a request's own `min_weight_version` can ask for more); unset: no bound.",
     )
     bucket_bytes: int = Field(
-        default=32 << 20,
+        default=DEFAULT_BUCKET_BYTES,
         ge=1 << 16,
         le=8 << 30,
         description="Packed transfer bucket size in bytes, 64 KiB..8 GiB. Two buckets per participant are in flight at once; smaller buckets overlap loading with transfer more finely.",
     )
-    token_env: str = Field(default="ROLLOUT_SYNC_TOKEN", description="Environment variable holding the token trainers must present; unset means no token is required (a warning is logged).")
+    token_env: str = Field(default=SYNC_TOKEN_ENV, description="Environment variable holding the token trainers must present; unset means no token is required (a warning is logged).")
     allowed_service_accounts: list[str] = Field(
         default_factory=list,
         description="Kubernetes service accounts (`system:serviceaccount:NAMESPACE:NAME`) whose projected token, verified by a TokenReview, may publish instead of the sync token.",

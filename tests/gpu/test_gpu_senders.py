@@ -70,9 +70,9 @@ def test_contiguous_gpu_parameters_are_shared_in_place_without_a_copy():
 def test_a_gpu_trainer_publishes_over_gloo_from_its_gpu_tensors():
     import threading
 
-    from rollout.sync.backends.gloo_group import GroupSlot
+    from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
     from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
-    from rollout.sync.wire import ParamSpec
+    from rollout.sync.protocol import ParamSpec
 
     params = {f"layer{i}.weight": torch.randn(64, 32 + i, device="cuda") for i in range(6)}
     specs = [ParamSpec.of(n, t) for n, t in params.items()]
@@ -80,12 +80,12 @@ def test_a_gpu_trainer_publishes_over_gloo_from_its_gpu_tensors():
     received = {}
 
     def replica() -> None:
-        group = GroupSlot().join("g", "127.0.0.1", port, 1, 2, 60.0)
+        group = GroupSlot().join(Rendezvous("g", "127.0.0.1", port, 2, 60.0), 1)
         received.update((n, t.clone()) for named in receive_buckets(group, specs, 20_000) for n, t in named)
 
     thread = threading.Thread(target=replica)
     thread.start()
-    trainer = GroupSlot().join("g", "127.0.0.1", port, 0, 2, 60.0)
+    trainer = GroupSlot().join(Rendezvous("g", "127.0.0.1", port, 2, 60.0), 0)
     send_buckets(trainer, specs, list(params.values()), 20_000)  # several buckets
     thread.join(60)
     assert all(torch.equal(received[n], t.cpu()) for n, t in params.items())

@@ -30,10 +30,10 @@ import torch
 
 from rollout.local import cpu_config, local_platform
 from rollout.modelbuild import build_model, is_built
-from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot
+from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import send_buckets
-from rollout.sync.publisher import _free_port, _own_address
-from rollout.sync.wire import ParamSpec
+from rollout.sync.net import free_port, own_address
+from rollout.sync.protocol import ParamSpec
 
 REPEATS = 3
 
@@ -43,7 +43,7 @@ class Receiver:
     """A floor receiver: joins the group and receives flat buffers."""
 
     def __init__(self, address: str, port: int, rank: int, world: int):
-        self.group = GlooGroup(address, port, rank, world, 120.0, f"bench-{port}")
+        self.group = GlooGroup(Rendezvous(f"bench-{port}", address, port, world, 120.0), rank)
 
     def recv_flat(self, nbytes: int) -> None:
         self.group.broadcast(torch.empty(nbytes, dtype=torch.uint8))
@@ -86,9 +86,9 @@ class DirectEngine:
 
 
 def _floor(tensors: dict[str, torch.Tensor], receivers_n: int) -> dict[str, Any]:
-    address, port = _own_address(), _free_port()
+    address, port = own_address(), free_port()
     receivers = [Receiver.remote(address, port, i + 1, receivers_n + 1) for i in range(receivers_n)]
-    group = GlooGroup(address, port, 0, receivers_n + 1, 120.0, f"bench-{port}")
+    group = GlooGroup(Rendezvous(f"bench-{port}", address, port, receivers_n + 1, 120.0), 0)
     flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors.values()])
     rounds = []
     for _ in range(REPEATS):
@@ -106,13 +106,13 @@ def _direct_rounds(engines: Sequence[Any], tensors: dict[str, torch.Tensor], buc
     """Rounds into bare engines: packed buckets in one ``update_weights`` vs one per tensor."""
     specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
     values = list(tensors.values())
-    address, port, world = _own_address(), _free_port(), len(engines) + 1
+    address, port, world = own_address(), free_port(), len(engines) + 1
     slot = GroupSlot()
 
     def one_round(chunks: list[list[int]]) -> float:
         t0 = time.perf_counter()
         begun = [e.begin.remote(address, port, i + 1, world, bucket_bytes) for i, e in enumerate(engines)]
-        group = slot.join(f"direct-{port}", address, port, 0, world, 120.0)
+        group = slot.join(Rendezvous(f"direct-{port}", address, port, world, 120.0), 0)
         ray.get(begun)
         for chunk in chunks:  # one RPC per engine per chunk, then the chunk's broadcast
             pending = [e.receive.remote([specs[i] for i in chunk]) for e in engines]

@@ -61,11 +61,12 @@ class RolloutEngine:
 
             from rollout.sync.vllm_plugin import register
 
+            from rollout.sync.backends import get_backend
+
             register()  # this process resolves the backend name before vLLM loads plugins
-            if sync_backend == "ipc":
-                # vLLM's IPC engine takes the trainer's CUDA IPC handles only as pickles
-                # (see rollout.sync.backends.ipc_sender); engine processes inherit this.
-                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            # What the backend's engine needs (e.g. ipc: pickled handles); vLLM's engine
+            # processes inherit this process's environment.
+            os.environ.update(get_backend(sync_backend).engine_env)
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=sync_backend)
         args = AsyncEngineArgs(**kwargs)
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.snapshot), *stat_loggers])

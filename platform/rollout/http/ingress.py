@@ -21,13 +21,12 @@ from rollout.errors import (
     AuthenticationError,
     EngineUnavailableError,
     InvalidRequestError,
-    RolloutError,
     from_validation_error,
     loc_to_field,
     unwrap_remote,
 )
 from rollout.http import openai_compat as oai
-from rollout.sync.coordinator import SyncError
+from rollout.sync.protocol import SyncError
 from rollout.sync.remote import OUTCOME, PLAN, SYNC_TOKEN_HEADER, BeginRoundBody, FinishBody
 
 logger = logging.getLogger(__name__)
@@ -197,17 +196,7 @@ class HttpIngress:
 
     @app.post("/v1/sync/rounds", dependencies=[Depends(require_key)])
     async def sync_begin(self, body: BeginRoundBody, request: Request) -> dict:
-        plan = await self._call_coordinator(
-            "begin_round",
-            request.headers.get(SYNC_TOKEN_HEADER),
-            body.params,
-            body.version,
-            body.master_address,
-            body.master_port,
-            body.reuse_group,
-            None,  # ipc handles never come over HTTP
-            body.checkpoint,
-        )
+        plan = await self._call_coordinator("begin_round", request.headers.get(SYNC_TOKEN_HEADER), body.request())
         return PLAN.dump_python(plan, mode="json")
 
     @app.post("/v1/sync/rounds/{round_id}/finish", dependencies=[Depends(require_key)])

@@ -1,6 +1,21 @@
-"""Versioned weight sync from trainer jobs into every engine replica."""
+"""Versioned weight sync from trainer jobs into every engine replica.
 
-from rollout.sync.coordinator import SyncError
-from rollout.sync.publisher import WeightPublisher
+``WeightPublisher`` (torch) loads on first use, so the torch-free parts of this package
+(the protocol, the backend registry) can be imported without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.sync.protocol import SyncError
 
 __all__ = ["WeightPublisher", "SyncError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WeightPublisher":
+        from rollout.sync.publisher import WeightPublisher
+
+        return WeightPublisher
+    raise AttributeError(f"module 'rollout.sync' has no attribute {name!r}")

@@ -17,10 +17,10 @@ import logging
 from typing import Any, Optional
 
 from rollout.errors import StaleWeightsError
+from rollout.sync.backends import get_backend
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
-from rollout.sync.coordinator import REREGISTER
-from rollout.sync.plan import RoundOutcome, RoundPlan
+from rollout.sync.protocol import Reregister, RoundOutcome, RoundPlan
 from rollout.sync.version import version_of
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class SyncAgent:
                 continue
             if plan is None:
                 continue
-            if plan == REREGISTER:
+            if isinstance(plan, Reregister):
                 await self._reregister()
                 continue
             try:
@@ -175,7 +175,7 @@ class SyncAgent:
                         await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), wedged_after)
                 else:
                     async with clock("join"):
-                        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=plan.init_info(self.replica_id))), wedged_after)
+                        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=self._init_info(plan))), wedged_after)
                     async with clock("start"):
                         await asyncio.wait_for(self.engine.start_weight_update(), wedged_after)
                     started = True
@@ -222,6 +222,9 @@ class SyncAgent:
         logger.info("replica %s: %s took %s", self.replica_id, plan.round_id, clock)
         await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version, clock.phases)
         return consistent
+
+    def _init_info(self, plan: RoundPlan) -> dict:
+        return get_backend(plan.backend).init_info(plan, plan.member(self.replica_id))
 
     async def _report(self, plan: RoundPlan, error: Optional[str]) -> RoundOutcome:
         """The round's decision; an unreachable coordinator counts as an abort, so the

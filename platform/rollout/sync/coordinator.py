@@ -19,22 +19,24 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from rollout.config import PlatformConfig
-from rollout.errors import AuthenticationError, InvalidRequestError, RolloutError
-from rollout.sync.keeper import WeightKeeper
-from rollout.sync.plan import Member, RoundOutcome, RoundPlan, assign_ranks
-from rollout.sync.wire import ParamSpec
+from rollout.errors import AuthenticationError, InvalidRequestError
+from rollout.sync import net
+from rollout.sync.backends import get_backend
+from rollout.sync.protocol import REREGISTER, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SyncError
 
-KEEPER = "keeper"
-REREGISTER = "register"
 HISTORY = 20  # round outcomes kept for status()
 
 logger = logging.getLogger(__name__)
 
-COORDINATOR_NAME = "WeightSyncCoordinator"
 
-
-class SyncError(RolloutError):
-    """A sync round failed; every replica keeps serving the last committed version."""
+def assign_ranks(replicas: dict[str, int]) -> tuple[tuple[Member, ...], int]:
+    """Trainer is rank 0; each replica gets a contiguous block of its worker count."""
+    members = []
+    offset = 1
+    for rid in sorted(replicas):
+        members.append(Member(rid, offset, replicas[rid]))
+        offset += replicas[rid]
+    return tuple(members), offset
 
 
 @dataclass
@@ -51,6 +53,8 @@ class _Round:
     deadline: float
     opened_at: float = field(default_factory=time.monotonic)
     reports: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
+    keeper_reported: bool = False
+    keeper_error: Optional[str] = None
     trainer_error: Optional[str] = None
     trainer_done: bool = False
     decided: asyncio.Event = field(default_factory=asyncio.Event)
@@ -92,23 +96,6 @@ def check_spec(sent: list[ParamSpec], expected: list[ParamSpec]) -> None:
             raise InvalidRequestError(f"named_tensors[{name}]", f"dtype {p.dtype} does not match the model's {w.dtype}")
 
 
-def check_transfer_info(backend: str, transfer_info: Optional[dict]) -> None:
-    """Replicas of a pull backend (``ipc``) need the publisher's handles; the others need none."""
-    if backend != "ipc":
-        if transfer_info is not None:
-            raise InvalidRequestError("transfer_info", f"the {backend!r} backend takes no transfer_info (it carries 'ipc' handles)")
-        return
-    from rollout.sync.backends.ipc_sender import IPC_HANDLES
-
-    handles = (transfer_info or {}).get(IPC_HANDLES)
-    if not isinstance(handles, str) or not handles or set(transfer_info) != {IPC_HANDLES}:
-        raise InvalidRequestError(
-            f"transfer_info.{IPC_HANDLES}",
-            "the 'ipc' backend needs the publisher's CUDA IPC handles (and nothing else); "
-            "publish with WeightPublisher.connect from a process on the replicas' GPU node",
-        )
-
-
 class WeightSyncCoordinator:
     """Serve deployment class (exactly one replica)."""
 
@@ -132,8 +119,11 @@ class WeightSyncCoordinator:
             logger.warning("%s is not set: any client that reaches the coordinator can publish weights", self.config.sync.token_env)
         self.poll_s = 5.0
         self._departed: list[str] = []
-        # The keeper rides the gloo wire; with vLLM's GPU backends it would need a GPU.
-        self.keeper = WeightKeeper(self.config.model.path) if backend == "gloo" else None
+        self.keeper = None
+        if get_backend(backend).keeps_copy:
+            from rollout.sync.keeper import WeightKeeper
+
+            self.keeper = WeightKeeper(self.config.model.path)
         self._group: Optional[_Group] = None  # the last committed publish round's transfer group
         # (version, directory): the committed weights on shared storage, when the publisher said where.
         self._checkpoint: Optional[tuple[int, str]] = None
@@ -157,7 +147,7 @@ class WeightSyncCoordinator:
         logger.info("replica %s registered at version %d (committed %d)", replica_id, version, self.committed_version)
         return self.committed_version
 
-    async def next_round(self, replica_id: str, version: int) -> Union[RoundPlan, str, None]:
+    async def next_round(self, replica_id: str, version: int) -> Union[RoundPlan, Reregister, None]:
         """Long poll: the plan of a round this replica is a member of, None after a
         while, or ``REREGISTER`` when the coordinator does not know the replica (it
         restarted, or dropped the replica as silent)."""
@@ -224,38 +214,22 @@ class WeightSyncCoordinator:
             raise AuthenticationError(f"service account {user or '(unauthenticated)'} may not publish weights")
         raise AuthenticationError("wrong sync token")
 
-    async def begin_round(
-        self,
-        token: Optional[str],
-        params: list[ParamSpec],
-        version: Optional[int],
-        master_address: str,
-        master_port: int,
-        reuse_group: Optional[str] = None,
-        transfer_info: Optional[dict] = None,
-        checkpoint: Optional[str] = None,
-    ) -> RoundPlan:
+    async def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
         """Validate a publish and open a round; no replica changes before this succeeds.
-
-        ``reuse_group`` names the transfer group the publisher still holds: the round
-        runs on it when it is the last committed round's and membership is unchanged.
-        ``transfer_info`` is what replicas pull from (``ipc`` handles), in ``params`` order.
-        ``checkpoint`` is a directory every replica can read holding the same weights:
-        once committed, restores reload it (see :meth:`restore`).
-        """
+        Once committed, restores reload ``request.checkpoint`` (see :meth:`restore`)."""
         await self._authorize(token)
         if self.params is None:
             raise SyncError("no engine replica has registered yet")
-        check_spec(params, self.params)
-        check_transfer_info(self.backend, transfer_info)
-        if checkpoint is not None and not os.path.isabs(checkpoint):
-            raise InvalidRequestError("checkpoint", f"{checkpoint!r} must be an absolute path that every replica can read")
-        if version is not None and version <= self.committed_version:
-            raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.committed_version}")
+        check_spec(list(request.params), self.params)
+        get_backend(self.backend).check_transfer_info(request.transfer_info)
+        if request.checkpoint is not None and not os.path.isabs(request.checkpoint):
+            raise InvalidRequestError("checkpoint", f"{request.checkpoint!r} must be an absolute path that every replica can read")
+        if request.version is not None and request.version <= self.committed_version:
+            raise InvalidRequestError("version", f"{request.version} must be greater than the committed version {self.committed_version}")
         await self._acquire_round()
         try:
-            plan = self._open_publish_round(params, version, master_address, master_port, reuse_group, transfer_info)
-            self.round.checkpoint = checkpoint
+            plan = self._open_publish_round(request)
+            self.round.checkpoint = request.checkpoint
             return plan
         except BaseException:
             self._round_lock.release()
@@ -268,11 +242,8 @@ class WeightSyncCoordinator:
             busy = self.round.plan.round_id if self.round else "another round"
             raise SyncError(f"{busy} is still in progress after {self.config.sync.timeout_s}s; rounds run one at a time") from None
 
-    def _open_publish_round(
-        self, params: list[ParamSpec], version: Optional[int], master_address: str, master_port: int, reuse_group: Optional[str], transfer_info: Optional[dict]
-    ) -> RoundPlan:
-        if version is None:
-            version = self.committed_version + 1
+    def _open_publish_round(self, request: RoundRequest) -> RoundPlan:
+        version = self.committed_version + 1 if request.version is None else request.version
         if version <= self.committed_version:
             raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.committed_version}")
         live = self._live()
@@ -284,26 +255,22 @@ class WeightSyncCoordinator:
         keeper_rank = None
         if self.keeper is not None:
             keeper_rank, world_size = world_size, world_size + 1
-        sync = self.config.sync
-        group_name = ""
+        group_name, address, port = "", request.master_address, request.master_port
         last = self._group
-        if reuse_group is not None and last is not None and last.name == reuse_group and last.layout == (members, world_size, keeper_rank):
-            group_name, master_address, master_port = last.name, last.master_address, last.master_port
-        plan = RoundPlan(
-            round_id=f"round-{version}-{uuid.uuid4().hex[:8]}",
-            version=version,
-            backend=self.backend,
-            master_address=master_address,
-            master_port=master_port,
+        if request.reuse_group is not None and last is not None and last.name == request.reuse_group and last.layout == (members, world_size, keeper_rank):
+            group_name, address, port = last.name, last.master_address, last.master_port
+        plan = self._plan(
+            f"round-{version}",
+            version,
+            members,
             world_size=world_size,
-            members=members,
-            params=tuple(params),  # the publisher's order: its tensors and handles follow it
-            bucket_bytes=sync.bucket_bytes,
-            pause_mode=sync.pause_mode,
-            timeout_s=sync.timeout_s,
+            master_address=address,
+            master_port=port,
+            params=tuple(request.params),  # the publisher's order: its tensors and handles follow it
+            pause_mode=self.config.sync.pause_mode,
             keeper_rank=keeper_rank,
             group_name=group_name,
-            transfer_info=transfer_info,
+            transfer_info=request.transfer_info,
         )
         self._start_round(plan)
         if keeper_rank is not None:
@@ -313,6 +280,20 @@ class WeightSyncCoordinator:
             plan.round_id, version, len(members), world_size, f"reusing group {group_name}" if group_name else "new group",
         )
         return plan
+
+    def _plan(self, kind: str, version: int, members: tuple[Member, ...], **fields: Any) -> RoundPlan:
+        """The one place a round's plan is made (publish and restore rounds)."""
+        sync = self.config.sync
+        fields.setdefault("params", tuple(self.params))
+        return RoundPlan(
+            round_id=f"{kind}-{uuid.uuid4().hex[:8]}",
+            version=version,
+            backend=self.backend,
+            members=members,
+            bucket_bytes=sync.bucket_bytes,
+            timeout_s=sync.timeout_s,
+            **fields,
+        )
 
     def _start_round(self, plan: RoundPlan) -> None:
         self.round = _Round(plan=plan, deadline=time.monotonic() + 3 * plan.timeout_s)
@@ -330,8 +311,8 @@ class WeightSyncCoordinator:
         if rnd.decided.is_set():
             self.keeper.discard(rnd.plan.round_id)  # decided without us (aborted)
             return
-        rnd.reports[KEEPER] = error
-        self._maybe_decide(rnd)
+        rnd.keeper_reported, rnd.keeper_error = True, error
+        self._decide_if_complete(rnd)
 
     async def restore(self, replica_id: str) -> RoundPlan:
         """Open a round that brings one replica to the committed weights.
@@ -350,22 +331,14 @@ class WeightSyncCoordinator:
             self._check_keeper_holds_committed(replica_id)
         await self._acquire_round()
         try:
-            from rollout.sync.publisher import _free_port, _own_address
-
-            sync = self.config.sync
-            kind = "reload" if checkpoint else "restore"
-            plan = RoundPlan(
-                round_id=f"{kind}-{self.committed_version}-{uuid.uuid4().hex[:8]}",
-                version=self.committed_version,
-                backend=self.backend,
-                master_address="" if checkpoint else _own_address(),
-                master_port=0 if checkpoint else _free_port(),
+            plan = self._plan(
+                f"{'reload' if checkpoint else 'restore'}-{self.committed_version}",
+                self.committed_version,
+                (Member(replica_id, 1, r.ranks),),
                 world_size=1 + r.ranks,
-                members=(Member(replica_id, 1, r.ranks),),
-                params=tuple(self.params),
-                bucket_bytes=sync.bucket_bytes,
+                master_address="" if checkpoint else net.own_address(),
+                master_port=0 if checkpoint else net.free_port(),
                 pause_mode="keep",
-                timeout_s=sync.timeout_s,
                 restore=True,
                 checkpoint=checkpoint,
             )
@@ -410,9 +383,10 @@ class WeightSyncCoordinator:
         except asyncio.TimeoutError:
             silent = [m.replica_id for m in rnd.plan.members if m.replica_id not in rnd.reports]
             window = rnd.deadline - rnd.opened_at
-            self._decide(rnd, f"deadline of {window:.0f}s passed; no report from {silent or 'the trainer'}", reason="deadline")
+            self._close_round(rnd, f"deadline of {window:.0f}s passed; no report from {silent or 'the trainer'}", reason="deadline")
 
-    def _decide(self, rnd: _Round, error: Optional[str] = None, reason: Optional[str] = None) -> None:
+    def _close_round(self, rnd: _Round, error: Optional[str] = None, reason: Optional[str] = None) -> None:
+        """Decide ``rnd``: commit it unless ``error`` or a participant's report says otherwise."""
         if rnd.decided.is_set():
             return
         failed = [rid for rid, err in rnd.reports.items() if err]
@@ -420,7 +394,9 @@ class WeightSyncCoordinator:
             error, reason = f"trainer: {rnd.trainer_error}", "trainer"
         if error is None and failed:
             error = "; ".join(f"{rid}: {rnd.reports[rid]}" for rid in failed)
-            reason = "keeper" if failed == [KEEPER] else "replica"
+            reason = "replica"
+        if error is None and rnd.keeper_error:
+            error, reason = f"the coordinator's copy: {rnd.keeper_error}", "keeper"
         committed = error is None
         if self.metrics is not None:
             nbytes = sum(p.nbytes for p in rnd.plan.params)
@@ -448,17 +424,18 @@ class WeightSyncCoordinator:
         log = logger.info if committed else logger.error
         log("%s %s (committed version %d)%s", rnd.plan.round_id, "committed" if committed else "aborted", self.committed_version, f": {error}" if error else "")
 
-    def _maybe_decide(self, rnd: _Round) -> None:
-        if rnd.trainer_error or any(rnd.reports.values()):
-            self._decide(rnd)
+    def _decide_if_complete(self, rnd: _Round) -> None:
+        """Close the round at the first failure, or once every participant has reported."""
+        if rnd.trainer_error or rnd.keeper_error or any(rnd.reports.values()):
+            self._close_round(rnd)
         elif (
             rnd.trainer_done
             and all(m.replica_id in rnd.reports for m in rnd.plan.members)
-            and (rnd.plan.keeper_rank is None or KEEPER in rnd.reports)
+            and (rnd.plan.keeper_rank is None or rnd.keeper_reported)
         ):
-            self._decide(rnd)
+            self._close_round(rnd)
 
-    def _decided(self, round_id: str) -> Optional[RoundOutcome]:
+    def _past_outcome(self, round_id: str) -> Optional[RoundOutcome]:
         """A recent round's outcome: a member that reports after the decision (its receive
         timed out late, a new round already opened) still learns it."""
         return next((o for o in reversed(self.history) if o.round_id == round_id), None)
@@ -471,12 +448,12 @@ class WeightSyncCoordinator:
     async def report(self, round_id: str, replica_id: str, error: Optional[str]) -> RoundOutcome:
         """A member received all weights (``error`` None) or failed; wait for the decision."""
         self._seen(replica_id)
-        decided = self._decided(round_id)
-        if decided is not None:
-            return decided
+        past = self._past_outcome(round_id)
+        if past is not None:
+            return past
         rnd = self._round(round_id)
         rnd.reports[replica_id] = error
-        self._maybe_decide(rnd)
+        self._decide_if_complete(rnd)
         await rnd.decided.wait()
         return rnd.outcome
 
@@ -484,13 +461,13 @@ class WeightSyncCoordinator:
         """The trainer sent everything (or failed); wait for the decision and, after a
         commit, for the members to serve it, so a publisher that returns finds every
         replica on the new version (it never waits longer than one step deadline)."""
-        decided = self._decided(round_id)
-        if decided is not None:
-            return decided
+        past = self._past_outcome(round_id)
+        if past is not None:
+            return past
         rnd = self._round(round_id)
         rnd.trainer_done = True
         rnd.trainer_error = error
-        self._maybe_decide(rnd)
+        self._decide_if_complete(rnd)
         await rnd.decided.wait()
         if rnd.outcome.committed and rnd.plan.members:
             try:

@@ -17,11 +17,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from rollout.sync.backends.gloo import GlooSender, rendezvous
 from rollout.sync.backends.gloo_group import GroupSlot
-from rollout.sync.backends.gloo_sender import GlooSender
 from rollout.sync.backends.gloo_stream import receive_buckets
-from rollout.sync.plan import RoundPlan
-from rollout.sync.wire import ParamSpec
+from rollout.sync.protocol import ParamSpec, RoundPlan
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class WeightKeeper:
     def receive(self, plan: RoundPlan, rank: int) -> None:
         """Blocking: join ``plan``'s group as ``rank`` and stage every tensor."""
         staged: dict[str, torch.Tensor] = {}
-        with self._slot.use(plan.group, plan.master_address, plan.master_port, rank, plan.world_size, plan.timeout_s) as group:
+        with self._slot.use(rendezvous(plan), rank) as group:
             for named in receive_buckets(group, plan.params, plan.bucket_bytes):
                 # One buffer per bucket stays alive; the views keep it.
                 staged.update(named)

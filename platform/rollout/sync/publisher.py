@@ -12,42 +12,24 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from typing import Iterable, Mapping, Optional, Union
 
 import torch
 
-from rollout.sync.backends import Sender, make_sender
-from rollout.sync.coordinator import COORDINATOR_NAME, SyncError
-from rollout.sync.plan import RoundOutcome
+from rollout.sync import net
+from rollout.sync.backends import make_sender
+from rollout.sync.backends.base import Sender
+from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, ParamSpec, RoundOutcome, RoundRequest, SyncError
 from rollout.sync.remote import CoordinatorClient, HandleCoordinator, HttpCoordinator
-from rollout.sync.wire import ParamSpec
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _token(explicit: Optional[str]) -> Optional[str]:
-    return explicit if explicit is not None else os.environ.get("ROLLOUT_SYNC_TOKEN")
-
-
-def _own_address() -> str:
-    explicit = os.environ.get("ROLLOUT_PUBLISHER_ADDRESS")
-    if explicit:
-        return explicit
-    import ray
-
-    if ray.is_initialized():
-        return ray.util.get_node_ip_address()
-    return socket.gethostbyname(socket.gethostname())
+    return explicit if explicit is not None else os.environ.get(SYNC_TOKEN_ENV)
 
 
 def _send_with_deadline(sender, plan, tensors) -> Optional[str]:
@@ -132,9 +114,16 @@ class WeightPublisher:
         backend = self._platform_backend()
         if self._sender is None:
             self._sender = make_sender(backend)
-        transfer_info = self._sender.offer(list(tensors.values()))
-        address, port = _own_address(), _free_port()
-        plan = self._coordinator.begin_round(self._token, specs, version, address, port, self._sender.group_name, transfer_info, checkpoint)
+        request = RoundRequest(
+            params=tuple(specs),
+            master_address=net.own_address(),
+            master_port=net.free_port(),
+            version=version,
+            reuse_group=self._sender.group_name,
+            transfer_info=self._sender.offer(list(tensors.values())),
+            checkpoint=checkpoint,
+        )
+        plan = self._coordinator.begin_round(self._token, request)
         t_open = time.perf_counter()
         error = _send_with_deadline(self._sender, plan, [tensors[p.name] for p in plan.params])
         if error:

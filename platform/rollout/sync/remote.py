@@ -9,13 +9,10 @@ from typing import Any, Optional, Protocol
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from rollout.errors import unwrap_remote
-from rollout.sync.coordinator import SyncError
-from rollout.sync.plan import RoundOutcome, RoundPlan
-from rollout.sync.wire import ParamSpec
+from rollout.sync.protocol import ParamSpec, RoundOutcome, RoundPlan, RoundRequest, SyncError
 
 PLAN = TypeAdapter(RoundPlan)
 OUTCOME = TypeAdapter(RoundOutcome)
-SPECS = TypeAdapter(list[ParamSpec])
 SYNC_TOKEN_HEADER = "X-Rollout-Sync-Token"
 
 
@@ -30,6 +27,19 @@ class BeginRoundBody(BaseModel):
     reuse_group: Optional[str] = Field(default=None, description="The transfer group the publisher still holds from its last round.")
     checkpoint: Optional[str] = Field(default=None, min_length=1, description="Absolute path of the same weights on storage every replica reads; restores reload it.")
 
+    @classmethod
+    def of(cls, request: RoundRequest) -> "BeginRoundBody":
+        if request.transfer_info is not None:
+            # CUDA IPC handles only mean something on the replicas' node, and replicas
+            # unpickle them: the platform never accepts them over the network.
+            raise SyncError("backend: 'ipc' handles cannot travel over HTTP; publish with WeightPublisher.connect from the replicas' GPU node")
+        fields = {k: getattr(request, k) for k in cls.model_fields}
+        return cls(**{**fields, "params": list(request.params)})
+
+    def request(self) -> RoundRequest:
+        # ipc handles never come over HTTP: no transfer_info here.
+        return RoundRequest(**{**self.model_dump(exclude={"params"}), "params": tuple(self.params)})
+
 
 class FinishBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -37,17 +47,7 @@ class FinishBody(BaseModel):
 
 
 class CoordinatorClient(Protocol):
-    def begin_round(
-        self,
-        token: Optional[str],
-        params: list[ParamSpec],
-        version: Optional[int],
-        address: str,
-        port: int,
-        reuse_group: Optional[str] = None,
-        transfer_info: Optional[dict] = None,
-        checkpoint: Optional[str] = None,
-    ) -> RoundPlan: ...
+    def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan: ...
 
     def finish(self, round_id: str, error: Optional[str]) -> RoundOutcome: ...
 
@@ -64,8 +64,8 @@ class HandleCoordinator:
         except Exception as e:
             raise unwrap_remote(e) from None
 
-    def begin_round(self, token, params, version, address, port, reuse_group=None, transfer_info=None, checkpoint=None) -> RoundPlan:
-        return self._call("begin_round", token, params, version, address, port, reuse_group, transfer_info, checkpoint)
+    def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
+        return self._call("begin_round", token, request)
 
     def finish(self, round_id, error) -> RoundOutcome:
         return self._call("finish", round_id, error)
@@ -89,19 +89,8 @@ class HttpCoordinator:
         raise_for_error(resp)
         return resp.json()
 
-    def begin_round(self, token, params, version, address, port, reuse_group=None, transfer_info=None, checkpoint=None) -> RoundPlan:
-        if transfer_info is not None:
-            # CUDA IPC handles only mean something on the replicas' node, and replicas
-            # unpickle them: the platform never accepts them over the network.
-            raise SyncError("backend: 'ipc' handles cannot travel over HTTP; publish with WeightPublisher.connect from the replicas' GPU node")
-        body = {
-            "params": SPECS.dump_python(params, mode="json"),
-            "version": version,
-            "master_address": address,
-            "master_port": port,
-            "reuse_group": reuse_group,
-            "checkpoint": checkpoint,
-        }
+    def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
+        body = BeginRoundBody.of(request).model_dump(mode="json")
         return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
 
     def finish(self, round_id, error) -> RoundOutcome:

@@ -8,34 +8,11 @@ round costs one collective per bucket instead of one RPC per tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 32 << 20  # keep equal to SyncConfig.bucket_bytes
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    shape: tuple[int, ...]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.torch_dtype).element_size()
-
-    @classmethod
-    def of(cls, name: str, t: torch.Tensor) -> "ParamSpec":
-        return cls(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+from rollout.sync.protocol import ParamSpec
 
 
 def plan_buckets(specs: Sequence[ParamSpec], bucket_bytes: int) -> list[list[int]]:

@@ -1,45 +1,60 @@
-"""Trainer-side senders, one module per transport, picked by name.
+"""The weight-sync backends, by name: a registry in the shape of vLLM's
+``WeightTransferEngineFactory``. Each backend is one module (``gloo``, ``nccl``, ``ipc``)
+holding its :class:`~rollout.sync.backends.base.SyncBackend` and its trainer-side sender;
+adding one is one new file plus one entry here (or :func:`register_backend`).
 
-The receiving side of each transport is a vLLM weight-transfer engine (vLLM's own
-``nccl`` and ``ipc``, our ``gloo`` in :mod:`rollout.sync.backends.gloo_worker`).
+Backends load on first use, so config and the ingress read the names without torch.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+import importlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from rollout.sync.backends.base import Sender, SyncBackend
 
-from rollout.sync.plan import RoundPlan
+# name -> "module:class"
+_REGISTRY: dict[str, str] = {
+    # CPU engines (ours; vLLM's worker side registered by rollout.sync.vllm_plugin).
+    "gloo": "rollout.sync.backends.gloo:GlooBackend",
+    # GPU engines, vLLM's own NCCL engine; the trainer on another GPU or node.
+    "nccl": "rollout.sync.backends.nccl:NcclBackend",
+    # GPU engines, vLLM's own CUDA IPC engine; the trainer on the replicas' GPU.
+    "ipc": "rollout.sync.backends.ipc:IpcBackend",
+}
+_loaded: dict[str, "SyncBackend"] = {}
 
-
-class Sender(Protocol):
-    def offer(self, tensors: Sequence[torch.Tensor]) -> Optional[dict]:
-        """Before the round opens: what replicas need to pull the weights themselves
-        (it becomes the plan's ``transfer_info``), or None when :meth:`send` pushes them."""
-
-    @property
-    def group_name(self) -> Optional[str]:
-        """The transfer group kept from the last round, if the transport can reuse it."""
-
-    def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
-        """Deliver ``tensors`` (in ``plan.params`` order) to every rank of the round."""
-
-    def close(self) -> None:
-        """Release the transfer group."""
+AUTO = "auto"
 
 
-def make_sender(backend: str) -> Sender:
-    if backend == "gloo":
-        from rollout.sync.backends.gloo_sender import GlooSender
+def backend_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
 
-        return GlooSender()
-    if backend == "nccl":
-        from rollout.sync.backends.nccl_sender import NcclSender
 
-        return NcclSender()
-    if backend == "ipc":
-        from rollout.sync.backends.ipc_sender import IpcSender
+def register_backend(name: str, target: str) -> None:
+    """Add a backend (``"package.module:Class"``) under ``name``."""
+    if name in _REGISTRY or name == AUTO:
+        raise ValueError(f"backend: {name!r} is already registered")
+    _REGISTRY[name] = target
 
-        return IpcSender()
-    raise ValueError(f"backend: no trainer-side sender for {backend!r} (available: 'gloo', 'nccl', 'ipc')")
+
+def get_backend(name: str) -> "SyncBackend":
+    if name not in _loaded:
+        if name not in _REGISTRY:
+            raise ValueError(f"backend: unknown {name!r} (available: {', '.join(map(repr, _REGISTRY))})")
+        module, cls = _REGISTRY[name].split(":")
+        _loaded[name] = getattr(importlib.import_module(module), cls)()
+    return _loaded[name]
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """``auto`` is ``nccl`` on GPUs and ``gloo`` on CPUs."""
+    if name != AUTO:
+        get_backend(name)  # fail now on an unknown name
+        return name
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def make_sender(name: str) -> "Sender":
+    return get_backend(name).make_sender()

@@ -11,6 +11,7 @@ new one, so a round never inherits a dead rank.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator, Optional
 
@@ -18,19 +19,29 @@ import torch
 import torch.distributed as dist
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how a group forms: the same for every rank of it."""
+
+    name: str
+    master_address: str
+    master_port: int
+    world_size: int
+    timeout_s: float
+
+
 class GlooGroup:
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float, name: str):
-        timeout = timedelta(seconds=timeout_s)
-        self.name = name
+    def __init__(self, rendezvous: Rendezvous, rank: int):
+        r = rendezvous
+        timeout = timedelta(seconds=r.timeout_s)
+        self.name = r.name
         self.rank = rank
-        self.world_size = world_size
+        self.world_size = r.world_size
         # The store's own timeout bounds the rendezvous: a rank that never joins
         # ends the round with an error instead of a hang.
-        self._store = dist.TCPStore(
-            master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
-        )
-        prefixed = dist.PrefixStore(name, self._store)
-        self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        self._store = dist.TCPStore(r.master_address, r.master_port, r.world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+        prefixed = dist.PrefixStore(r.name, self._store)
+        self._pg = dist.ProcessGroupGloo(prefixed, rank, r.world_size, timeout)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int = 0):
         """Start a broadcast; ``.wait()`` on the result. gloo runs it on its own
@@ -62,18 +73,19 @@ class GroupSlot:
     def name(self) -> Optional[str]:
         return self.group.name if self.group is not None else None
 
-    def join(self, name: str, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> GlooGroup:
-        if self.group is not None and self.group.name == name and self.group.rank == rank and self.group.world_size == world_size:
-            return self.group
+    def join(self, rendezvous: Rendezvous, rank: int) -> GlooGroup:
+        g = self.group
+        if g is not None and g.name == rendezvous.name and g.rank == rank and g.world_size == rendezvous.world_size:
+            return g
         self.drop()
-        self.group = GlooGroup(master_address, master_port, rank, world_size, timeout_s, name)
+        self.group = GlooGroup(rendezvous, rank)
         return self.group
 
     @contextmanager
-    def use(self, name: str, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> Iterator[GlooGroup]:
+    def use(self, rendezvous: Rendezvous, rank: int) -> Iterator[GlooGroup]:
         """:meth:`join` for the length of one transfer; a failure inside drops the group
         (peers may be gone or out of step), so the next round forms a new one."""
-        group = self.join(name, master_address, master_port, rank, world_size, timeout_s)
+        group = self.join(rendezvous, rank)
         try:
             yield group
         except BaseException:

@@ -12,7 +12,8 @@ from typing import Iterator, Sequence
 import torch
 
 from rollout.sync.backends.gloo_group import GlooGroup
-from rollout.sync.wire import ParamSpec, bucket_bytes_of, pack, plan_buckets, unpack
+from rollout.sync.protocol import ParamSpec
+from rollout.sync.wire import bucket_bytes_of, pack, plan_buckets, unpack
 
 IN_FLIGHT = 2  # buckets a receiver has posted ahead of the one it is loading
 

@@ -15,9 +15,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout.sync.backends.gloo_group import GroupSlot
+from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets
-from rollout.sync.wire import DEFAULT_BUCKET_BYTES, ParamSpec
+from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, ParamSpec
 
 
 @dataclass
@@ -63,7 +63,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.bucket_bytes = init_info.bucket_bytes
-        self.slot.join(init_info.group_name, init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s)
+        i = init_info
+        self.slot.join(Rendezvous(i.group_name, i.master_address, i.master_port, i.world_size, i.timeout_s), rank)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

@@ -1,4 +1,4 @@
-"""Trainer-side sender of the ``ipc`` backend: a trainer sharing the replicas' GPU.
+"""The ``ipc`` backend: a trainer sharing the replicas' GPU, vLLM's CUDA IPC engine.
 
 Nothing is broadcast. Before the round opens the publisher *offers* one CUDA IPC
 handle per parameter (torch's ``reduce_tensor``, the format of vLLM's
@@ -18,15 +18,40 @@ from __future__ import annotations
 
 import base64
 import pickle
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from rollout.sync.backends.base import SyncBackend
 from rollout.sync.backends.cuda_device import sending_device
-from rollout.sync.plan import RoundPlan
-
+from rollout.sync.protocol import Member, RoundPlan
 
 IPC_HANDLES = "ipc_handles_pickled"  # the field of vLLM's IPCWeightTransferUpdateInfo
+
+
+class IpcBackend(SyncBackend):
+    name = "ipc"
+    # vLLM's IPC engine takes the trainer's CUDA IPC handles only as pickles.
+    engine_env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+    def make_sender(self) -> "IpcSender":
+        return IpcSender()
+
+    def init_info(self, plan: RoundPlan, member: Member) -> dict:
+        # No rendezvous: every parameter has its own handle (zero-copy for the trainer).
+        return {"packed": False}
+
+    def check_transfer_info(self, transfer_info: Optional[dict]) -> None:
+        """Replicas pull from the publisher's handles: required, and nothing else."""
+        from rollout.errors import InvalidRequestError
+
+        handles = (transfer_info or {}).get(IPC_HANDLES)
+        if not isinstance(handles, str) or not handles or set(transfer_info) != {IPC_HANDLES}:
+            raise InvalidRequestError(
+                f"transfer_info.{IPC_HANDLES}",
+                "the 'ipc' backend needs the publisher's CUDA IPC handles (and nothing else); "
+                "publish with WeightPublisher.connect from a process on the replicas' GPU node",
+            )
 
 
 class IpcSender:

@@ -1,7 +1,7 @@
-"""Trainer-side sender of the ``nccl`` backend, built from vLLM's own trainer pieces.
+"""The ``nccl`` backend, for GPU engines: vLLM's own NCCL engine on the replicas.
 
 The receiving replicas run vLLM's ``NCCLWeightTransferEngine`` (packed, double-buffered);
-this side opens the NCCL endpoint as rank 0 with vLLM's ``nccl_common.trainer_init`` and
+the trainer's side, built from vLLM's own trainer pieces, opens the NCCL endpoint as rank 0 with vLLM's ``nccl_common.trainer_init`` and
 broadcasts with ``packed_nccl_broadcast_producer``, so both sides split the stream into
 the same ``bucket_bytes`` chunks. Needs a CUDA device in the publishing process.
 
@@ -22,8 +22,22 @@ from typing import Sequence
 
 import torch
 
+from rollout.sync.backends.base import SyncBackend
 from rollout.sync.backends.cuda_device import sending_device
-from rollout.sync.plan import NCCL_BUFFERS, RoundPlan
+from rollout.sync.protocol import Member, RoundPlan
+
+NCCL_BUFFERS = 2  # double buffering, vLLM's default for packed NCCL transfers
+
+
+class NcclBackend(SyncBackend):
+    name = "nccl"
+
+    def make_sender(self) -> "NcclSender":
+        return NcclSender()
+
+    def init_info(self, plan: RoundPlan, member: Member) -> dict:
+        # Packed, in the trainer's bucket size: both ends must split the stream alike.
+        return {**self.rendezvous(plan, member), "packed": True, "packed_buffer_size_bytes": plan.bucket_bytes, "packed_num_buffers": NCCL_BUFFERS}
 
 
 class NcclSender:

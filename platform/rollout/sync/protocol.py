@@ -1,0 +1,146 @@
+"""The sync messages between publisher, coordinator and replicas, and nothing else.
+
+Imported by the coordinator, its clients (handle and HTTP), the ingress and the replicas'
+agent alike. Torch-free: the ingress and the config import it without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from rollout.errors import RolloutError
+
+COORDINATOR_NAME = "WeightSyncCoordinator"  # the coordinator's Serve deployment
+SYNC_TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"  # where publishers and the coordinator find the sync token
+DEFAULT_BUCKET_BYTES = 32 << 20  # bytes per packed bucket (sync.bucket_bytes)
+
+PauseMode = Literal["keep", "wait", "abort"]
+
+# Bytes per element of the dtypes a checkpoint may hold (torch's names, no "torch." prefix).
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+class SyncError(RolloutError):
+    """A sync round failed; every replica keeps serving the last committed version."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        if self.dtype in _DTYPE_BYTES:
+            return n * _DTYPE_BYTES[self.dtype]
+        import torch
+
+        return n * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @classmethod
+    def of(cls, name: str, t) -> "ParamSpec":
+        return cls(name, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """What a publisher asks for when it opens a publish round."""
+
+    params: tuple[ParamSpec, ...]  # the publisher's order: its tensors (and handles) follow it
+    master_address: str  # where the publisher listens for the transfer group's rendezvous
+    master_port: int
+    version: Optional[int] = None  # default: the committed version + 1
+    # The transfer group the publisher still holds from its last round: reused when it is
+    # the last committed round's and membership is unchanged.
+    reuse_group: Optional[str] = None
+    # What replicas pull from, for backends where they pull (``ipc``: one CUDA IPC handle
+    # per parameter, in ``params`` order); checked by the backend.
+    transfer_info: Optional[dict] = None
+    # A directory every replica reads holding the same weights: once committed, replicas
+    # that start later or roll back reload it.
+    checkpoint: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Member:
+    replica_id: str
+    rank_offset: int
+    ranks: int  # tensor * pipeline parallel workers of this replica
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Everything a participant needs to join round ``round_id`` committing ``version``."""
+
+    round_id: str
+    version: int
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    members: tuple[Member, ...]
+    params: tuple[ParamSpec, ...]
+    bucket_bytes: int
+    pause_mode: PauseMode
+    timeout_s: float
+    keeper_rank: Optional[int] = None  # the coordinator's copy receives as this rank
+    restore: bool = False  # brings one member back to the committed version
+    # The transfer group this round runs on: an earlier round's, kept by every
+    # participant while membership is unchanged, or (empty) a new one named after this round.
+    group_name: str = ""
+    # What the publisher offered for replicas to pull from (see RoundRequest.transfer_info).
+    transfer_info: Optional[dict] = None
+    # Restore rounds only: a directory of the committed weights that the member reloads
+    # with vLLM's ``reload_weights`` instead of receiving them.
+    checkpoint: Optional[str] = None
+
+    @property
+    def group(self) -> str:
+        return self.group_name or self.round_id
+
+    def member(self, replica_id: str) -> Member:
+        for m in self.members:
+            if m.replica_id == replica_id:
+                return m
+        raise KeyError(f"replica {replica_id} is not in round {self.round_id}")
+
+    def update_info(self) -> dict:
+        """The update info for vLLM's ``update_weights``: the same for every backend,
+        plus what the publisher offered."""
+        return dict(
+            names=[p.name for p in self.params],
+            dtype_names=[p.dtype for p in self.params],
+            shapes=[list(p.shape) for p in self.params],
+            **(self.transfer_info or {}),
+        )
+
+
+@dataclass
+class RoundOutcome:
+    round_id: str
+    committed: bool
+    version: int
+    error: str = ""
+    failed_replicas: list[str] = field(default_factory=list)
+    # replica -> seconds per step of the round (pause, join, receive, ...), as each reports
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reregister:
+    """The coordinator's answer to a poll from a replica it does not know (it restarted,
+    or dropped the replica as silent): register again."""
+
+
+REREGISTER = Reregister()
