@@ -337,7 +337,7 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
     from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group, trainer_init
 
     from rollout.sync import WeightPublisher
-    from rollout.sync.publisher import _free_port, _own_address
+    from rollout.sync.net import free_port, own_address
     from tests.gpu.engines import FloorReceiver, on_gpus
 
     if "app" not in state:
@@ -366,7 +366,7 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
     # The reference: the same bare engine, reloaded by vLLM itself from the checkpoint.
     bare = state["bare"]
     # One RPC + one broadcast per tensor into that engine (OpenRLHF-style loops).
-    address, port = _own_address(), _free_port()
+    address, port = own_address(), free_port()
     with torch.cuda.device(trainer):
         begun = bare.begin_update.remote(address, port, 2)
         group = trainer_init({"master_address": address, "master_port": port, "world_size": 2})
@@ -388,7 +388,7 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
 
     # The wire floor: the same bytes, one flat NCCL broadcast GPU to GPU, group formed beforehand.
     receiver = on_gpus(FloorReceiver, str(state["replica_gpu"])).remote()
-    port = _free_port()
+    port = free_port()
     with torch.cuda.device(trainer):
         joined = receiver.join.remote(address, port)
         group = stateless_init_process_group(address, port, rank=0, world_size=2, device=trainer.index)
