@@ -15,6 +15,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
+from rollout.engine.load import ReplicaLoad
+
 LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 SYNC_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
@@ -63,13 +65,22 @@ class EngineMetrics:
         if hits:
             self.prefix_hits.inc(hits, tags=self._tags)
 
-    def gauges(self, running: int, waiting: int, kv_usage: float, version: int) -> None:
+    def gauges(self, load: ReplicaLoad) -> None:
         """Called on a fixed period, not per engine step: Ray ages out gauge series
-        that are not re-reported, so an idle engine must keep reporting its zeros."""
-        self.running.set(running, tags=self._tags)
-        self.waiting.set(waiting, tags=self._tags)
-        self.kv_usage.set(kv_usage, tags=self._tags)
-        self.version.set(version, tags=self._tags)
+        that are not re-reported, so an idle engine must keep reporting its zeros.
+        A signal missing from ``load`` is not set: its series ages out rather than
+        showing a value nobody measured."""
+        from rollout.sync.version import version_of  # not at the top: the rollout.sync package imports torch
+
+        version = version_of(load.weight_version) if load.weight_version is not None else None
+        for gauge, value in (
+            (self.running, load.running),
+            (self.waiting, load.waiting),
+            (self.kv_usage, load.kv_cache_usage),
+            (self.version, version),
+        ):
+            if value is not None:
+                gauge.set(value, tags=self._tags)
 
 
 class SyncMetrics:

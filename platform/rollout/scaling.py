@@ -2,7 +2,8 @@
 
 Serve's default policy counts ongoing *calls*; our calls carry batches, so a replica
 with one call of 256 requests looks idle to it. Replicas report their engine state
-(``record_autoscaling_stats``: running + waiting sequences, KV-cache usage) and this
+(``record_autoscaling_stats``: running and waiting sequences, KV-cache usage, read
+back as :class:`rollout.engine.load.ReplicaLoad`) and this
 policy sizes the deployment so each replica carries ``target_ongoing_requests``
 sequences. Serve wraps custom policies with the configured bounds and the
 upscale/downscale delays, which are kept >= the look-back window so a steady load
@@ -15,24 +16,25 @@ import logging
 import math
 from typing import Any
 
+from rollout.engine.load import ReplicaLoad
+
 logger = logging.getLogger("ray.serve")
 
-SEQUENCES = "engine_sequences"
-KV_USAGE = "kv_cache_usage"
 KV_PRESSURE = 0.95  # above this, sequences get preempted: one more replica regardless
 
 
-def _metrics(ctx: Any) -> dict:
+def _loads(ctx: Any) -> dict[Any, ReplicaLoad]:
+    """The replicas' loads averaged over the look-back window, by ``ReplicaID``."""
     m = ctx.aggregated_metrics
-    return (m() if callable(m) else m) or {}
+    return ReplicaLoad.from_autoscaling_metrics((m() if callable(m) else m) or {})
 
 
 def engine_load_policy(ctx: Any) -> tuple[float, dict]:
     current = ctx.current_num_replicas
     if current == 0:
         return ctx.target_num_replicas, {}
-    metrics = _metrics(ctx)
-    sequences = metrics.get(SEQUENCES, {})
+    loads = _loads(ctx)
+    sequences = {r: load.sequences for r, load in loads.items() if load.sequences is not None}
     running = list(ctx.running_replicas)
     missing = [r for r in running if r not in sequences]
     target = ctx.config.get_target_ongoing_requests()
@@ -44,7 +46,7 @@ def engine_load_policy(ctx: Any) -> tuple[float, dict]:
         logger.info("autoscaling: %d replicas have not reported engine load; counted at the target load", len(missing))
     total = sum(sequences.values()) + target * len(missing)
     desired = total / target
-    kv = metrics.get(KV_USAGE, {})
-    if kv and max(kv.values()) > KV_PRESSURE:
+    kv = [load.kv_cache_usage for load in loads.values() if load.kv_cache_usage is not None]
+    if kv and max(kv) > KV_PRESSURE:
         desired = max(desired, current + 1)
     return max(desired, 0.0) if math.isfinite(desired) else ctx.target_num_replicas, {}

@@ -9,9 +9,22 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from rollout.engine.load import ReplicaLoad
+
+# The gauges a replica sets from its load (rollout.metrics.EngineMetrics.gauges), by the
+# ReplicaLoad field each one carries. The version gauge holds the policy version's
+# number; its decimal spelling is a label rollout.sync.version reads as that version.
+LOAD_GAUGES = (
+    ("ray_rollout_engine_running", "running", int),
+    ("ray_rollout_engine_waiting", "waiting", int),
+    ("ray_rollout_kv_cache_usage", "kv_cache_usage", float),
+    ("ray_rollout_replica_weight_version", "weight_version", lambda v: str(int(v))),
+)
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -36,13 +49,14 @@ def prefix_cache_counters(url: str, app: str) -> tuple[float, float]:
 
 @dataclass
 class ReplicaRow:
-    replica: str
-    version: int = 0
-    lag: int = 0
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    tokens_per_s: float = 0.0
+    load: ReplicaLoad  # what the replica's own gauges say
+    lag: int = 0  # versions behind the committed one, from the coordinator's gauge
+    tokens_per_s: float = 0.0  # from two reads of the generated-tokens counter
+
+
+def _cell(value: Optional[Any], width: int, spec: str = "") -> str:
+    # A gauge a replica did not report shows as missing, not as a made-up zero.
+    return format(value, f">{width}{spec}") if value is not None else "-".rjust(width)
 
 
 @dataclass
@@ -60,8 +74,12 @@ class Summary:
             "",
             f"{'replica':<12} {'version':>7} {'lag':>4} {'running':>8} {'waiting':>8} {'KV use':>7} {'tok/s':>9}",
         ]
-        for r in sorted(self.replicas.values(), key=lambda r: r.replica):
-            lines.append(f"{r.replica:<12} {r.version:>7} {r.lag:>4} {r.running:>8} {r.waiting:>8} {r.kv_usage:>6.1%} {r.tokens_per_s:>9,.0f}")
+        for r in sorted(self.replicas.values(), key=lambda r: r.load.replica_id):
+            load = r.load
+            lines.append(
+                f"{load.replica_id:<12} {_cell(load.weight_version, 7)} {r.lag:>4} {_cell(load.running, 8)} "
+                f"{_cell(load.waiting, 8)} {_cell(load.kv_cache_usage, 6, '.1%')} {r.tokens_per_s:>9,.0f}"
+            )
         return "\n".join(lines)
 
 
@@ -71,6 +89,14 @@ def _by_replica(samples, name: str) -> dict[str, float]:
         if "replica" in labels:
             out[labels["replica"]] += value
     return out
+
+
+def replica_loads(samples) -> dict[str, ReplicaLoad]:
+    """Each replica's load as its gauges last said, by replica id: the replicas whose
+    running gauge is there, with only the gauges that are."""
+    gauges = [(field_name, _by_replica(samples, name), cast) for name, field_name, cast in LOAD_GAUGES]
+    running = _by_replica(samples, "ray_rollout_engine_running")
+    return {rid: ReplicaLoad(replica_id=rid, **{f: cast(values[rid]) for f, values, cast in gauges if rid in values}) for rid in running}
 
 
 def summarize(url: str, interval_s: float = 2.0) -> Summary:
@@ -83,18 +109,9 @@ def summarize(url: str, interval_s: float = 2.0) -> Summary:
     s.registered = int(max((v for _, v in second.get("ray_rollout_sync_replicas", [])), default=0))
     before = _by_replica(first, "ray_rollout_generated_tokens_total")
     after = _by_replica(second, "ray_rollout_generated_tokens_total")
-    for rid, running in _by_replica(second, "ray_rollout_engine_running").items():
-        s.replicas[rid] = ReplicaRow(replica=rid, running=int(running))
-    for name, attr, cast in (
-        ("ray_rollout_engine_waiting", "waiting", int),
-        ("ray_rollout_kv_cache_usage", "kv_usage", float),
-        ("ray_rollout_replica_weight_version", "version", int),
-        ("ray_rollout_weight_version_lag", "lag", int),
-    ):
-        for rid, value in _by_replica(second, name).items():
-            if rid in s.replicas:
-                setattr(s.replicas[rid], attr, cast(value))
-    for rid, row in s.replicas.items():
-        row.tokens_per_s = max(0.0, after.get(rid, 0.0) - before.get(rid, 0.0)) / interval_s
+    lags = _by_replica(second, "ray_rollout_weight_version_lag")
+    for rid, load in replica_loads(second).items():
+        tokens = max(0.0, after.get(rid, 0.0) - before.get(rid, 0.0))
+        s.replicas[rid] = ReplicaRow(load=load, lag=int(lags.get(rid, 0)), tokens_per_s=tokens / interval_s)
     s.tokens_per_s = sum(r.tokens_per_s for r in s.replicas.values())
     return s

@@ -18,10 +18,11 @@ from pydantic import ValidationError
 
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
 from rollout.config import PlatformConfig
-from rollout.engine.stats import EngineStats, SchedulerSnapshot
+from rollout.engine.load import ReplicaLoad
+from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, check_request
 from rollout.errors import EngineUnavailableError, InvalidRequestError, from_validation_error
-from rollout.sync.version import version_of
+from rollout.sync.version import INITIAL_VERSION_LABEL, version_of
 
 logger = logging.getLogger(__name__)
 
@@ -272,10 +273,12 @@ class RolloutEngine:
 
     # ---- state ------------------------------------------------------------------
 
-    async def stats(self) -> EngineStats:
+    def _load(self) -> ReplicaLoad:
+        """This replica's load, from what the replica itself holds: routers, the
+        autoscaler and the gauges poll it often, so it never waits on the engine core."""
         s = self.snapshot
         running, waiting = self._queue()
-        return EngineStats(
+        return ReplicaLoad(
             replica_id=self.replica_id,
             running=running,
             waiting=waiting,
@@ -284,16 +287,24 @@ class RolloutEngine:
             prefix_cache_hits=s.prefix_cache_hits,
             inflight_requests=self.inflight,
             unfinished_requests=self.engine.get_num_unfinished_requests(),
-            weight_version=await self.engine.get_weight_version(),
+            weight_version=self._weight_version_label(),
             max_num_seqs=self.config.model.max_num_seqs,
             updated_at=s.last_step_wall,
         )
 
+    def _weight_version_label(self) -> str:
+        """The served policy version as the sync agent last recorded it, labelled as the
+        engine labels it: ``default`` until the first update, then the version's number."""
+        version = self.sync.version if self.sync is not None else 0
+        return str(version) if version else INITIAL_VERSION_LABEL
+
+    async def stats(self) -> ReplicaLoad:
+        # Asked rarely, so it can wait for the version as the engine core itself reports it.
+        return self._load().model_copy(update={"weight_version": await self.engine.get_weight_version()})
+
     async def _report_gauges(self, period_s: float = 1.0) -> None:
         while True:
-            running, waiting = self._queue()
-            version = self.sync.version if self.sync is not None else 0
-            self.metrics.gauges(running, waiting, self._kv_usage(), version)
+            self.metrics.gauges(self._load())
             await asyncio.sleep(period_s)
 
     def _idle(self) -> bool:
@@ -308,29 +319,13 @@ class RolloutEngine:
     def _kv_usage(self) -> float:
         return 0.0 if self._idle() else self.snapshot.kv_cache_usage
 
-    def _engine_sequences(self) -> int:
-        return sum(self._queue())
-
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for request routers (``deployment.routing.stats_period_s``)."""
-        s = self.snapshot
-        running, waiting = self._queue()
-        return {
-            "running": running,
-            "waiting": waiting,
-            "inflight": self.inflight,
-            "max_num_seqs": self.config.model.max_num_seqs,
-            "kv_cache_usage": self._kv_usage(),
-            "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
-            "weight_version": self.sync.version if self.sync is not None else 0,
-            "updated_at": s.last_step_wall,
-        }
+        return self._load().to_routing_stats()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Engine load for :func:`rollout.scaling.engine_load_policy`."""
-        from rollout.scaling import KV_USAGE, SEQUENCES
-
-        return {SEQUENCES: float(self._engine_sequences()), KV_USAGE: self._kv_usage()}
+        return self._load().to_autoscaling_metrics()
 
     async def model_info(self) -> dict[str, Any]:
         return {

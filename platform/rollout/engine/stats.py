@@ -6,28 +6,12 @@ import threading
 import time
 from typing import Any, Optional
 
-from pydantic import BaseModel
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 
-class EngineStats(BaseModel):
-    """A replica's load and state. ``updated_at`` is the wall-clock time of the last engine step seen."""
-
-    replica_id: str = ""
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    inflight_requests: int = 0
-    unfinished_requests: int = 0
-    weight_version: str = ""
-    max_num_seqs: int = 0
-    updated_at: float = 0.0
-
-
 class SchedulerSnapshot:
-    """Latest scheduler numbers plus cumulative prefix-cache counters, shared with the replica."""
+    """Latest scheduler numbers plus cumulative prefix-cache counters, shared with the
+    replica, which reports them as its :class:`rollout.engine.load.ReplicaLoad`."""
 
     def __init__(self, metrics: Optional[Any] = None) -> None:
         self._lock = threading.Lock()

@@ -7,9 +7,10 @@ that only moves when that replica leaves. When the preferred replica is loaded m
 than ``max_imbalance`` above the least-loaded one, the request goes to the least-loaded
 replica instead: a cache hit is not worth a queue.
 
-Loads are ``(running + waiting) / max_num_seqs`` from each replica's own engine stats.
-A replica without stats has an *unknown* load (logged): it keeps its affinity keys, is
-never taken for the least-loaded one, and is ranked after the replicas that report.
+Loads are ``(running + waiting) / max_num_seqs`` from each replica's own report
+(:attr:`rollout.engine.load.ReplicaLoad.relative_load`). A replica without one has an
+*unknown* load (logged): it keeps its affinity keys, is never taken for the least-loaded
+one, and is ranked after the replicas that report.
 """
 
 from __future__ import annotations
@@ -17,17 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
+
+from rollout.engine.load import ReplicaLoad
 
 logger = logging.getLogger(__name__)
 _logged_unknown: set[str] = set()
-
-
-@dataclass(frozen=True)
-class ReplicaLoad:
-    replica_id: str
-    load: Optional[float]  # None: no stats reported (yet)
 
 
 def affinity_key(request: Any, prefix_tokens: int, prefix_chars: int) -> Optional[str]:
@@ -57,8 +53,8 @@ def rank(key: Optional[str], replicas: Sequence[ReplicaLoad], max_imbalance: flo
     """Replica ids, best first."""
     if not replicas:
         return []
-    known = sorted((r for r in replicas if r.load is not None), key=lambda r: (r.load, r.replica_id))
-    unknown = sorted((r for r in replicas if r.load is None), key=lambda r: r.replica_id)
+    known = sorted((r for r in replicas if r.relative_load is not None), key=lambda r: (r.relative_load, r.replica_id))
+    unknown = sorted((r for r in replicas if r.relative_load is None), key=lambda r: r.replica_id)
     new_unknown = [r.replica_id for r in unknown if r.replica_id not in _logged_unknown]
     if new_unknown:
         # Once per replica, not once per request: a starting replica is asked about often.
@@ -70,6 +66,6 @@ def rank(key: Optional[str], replicas: Sequence[ReplicaLoad], max_imbalance: flo
     preferred = max(replicas, key=lambda r: _score(key, r.replica_id))
     # Affinity yields only to evidence: a known load above the least-loaded replica's
     # by more than max_imbalance. An unknown load is no evidence of overload.
-    if preferred.load is not None and known and preferred.load - known[0].load > max_imbalance:
+    if preferred.relative_load is not None and known and preferred.relative_load - known[0].relative_load > max_imbalance:
         return by_load
     return [preferred.replica_id] + [rid for rid in by_load if rid != preferred.replica_id]

@@ -1,8 +1,9 @@
 """Ray Serve request router for the engine deployment: prefix and session affinity.
 
 Plugged in through Serve's request-router extension point (``RequestRouterConfig``).
-Replicas report their engine stats through ``record_routing_stats`` every
-``deployment.routing.stats_period_s``; the decision itself is :func:`rollout.routing.affinity.rank`.
+Replicas report their load (:class:`rollout.engine.load.ReplicaLoad`) through
+``record_routing_stats`` every ``deployment.routing.stats_period_s``; the decision itself
+is :func:`rollout.routing.affinity.rank`.
 """
 
 from __future__ import annotations
@@ -12,15 +13,10 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from rollout.routing.affinity import ReplicaLoad, affinity_key, rank
+from rollout.engine.load import ReplicaLoad
+from rollout.routing.affinity import affinity_key, rank
 
 logger = logging.getLogger(__name__)
-
-
-def _load(stats: Optional[dict]) -> Optional[float]:
-    if not stats or not stats.get("max_num_seqs"):
-        return None
-    return (stats.get("running", 0) + stats.get("waiting", 0)) / stats["max_num_seqs"]
 
 
 class AffinityRouter(RequestRouter):
@@ -60,7 +56,7 @@ class AffinityRouter(RequestRouter):
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = [ReplicaLoad(rid, _load(r.routing_stats)) for rid, r in by_id.items()]
+        loads = [ReplicaLoad.from_routing_stats(rid, r.routing_stats) for rid, r in by_id.items()]
         ranked = rank(self._key(pending_request), loads, self.max_imbalance)
         # One replica per rank: Serve tries them in order if one is at max_ongoing_requests.
         return [[by_id[rid]] for rid in ranked]
