@@ -116,3 +116,24 @@ async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement
     assert "the engine did not finish receive within 1s" in agent.broken and "must be replaced" in agent.broken
     assert [c[0] for c in engine.calls] == ["pause_generation", "init_weight_transfer_engine", "start_weight_update", "update_weights"]
     assert agent.version == 0
+
+
+async def test_with_gloo_a_late_engine_call_is_an_ordinary_failure_the_replica_recovers_from(model_dir, monkeypatch):
+    # gloo ends a step whose peer is gone by itself (its timeouts), only later than the
+    # round's deadline on a busy host: the replica closes the update and restores, as usual.
+    import rollout.sync.agent as agent_module
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    monkeypatch.setattr(agent_module, "WEDGED_GRACE_S", 0.2)
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5}}, "gloo")
+    coordinator._token = None
+    specs = checkpoint_spec(str(model_dir))
+    await coordinator.register("a", 1, 0, specs)
+    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
+    engine = BlockedEngine()
+    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
+
+    assert await asyncio.wait_for(agent._apply(plan), 10) is False
+    assert agent.broken is None
+    assert [c[0] for c in engine.calls][-2:] == ["update_weights", "finish_weight_update"]

@@ -182,11 +182,12 @@ class SyncAgent:
                     async with clock("receive"):
                         await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), wedged_after)
             except asyncio.TimeoutError:
-                # The engine call is still running in the engine core: a worker blocked in a
-                # collective whose peer is gone (NCCL has no deadline of its own). Every
-                # later call (finish, pause, reload) would queue behind it forever.
+                # The engine call is still running in the engine core. With a transport that
+                # has no deadline of its own (NCCL), its worker is blocked in a collective
+                # whose peer is gone, and every later call (finish, pause, reload) would
+                # queue behind it forever. A transport with one (gloo) ends it by itself.
                 error = f"the engine did not finish {clock.current} within {wedged_after:.0f}s"
-                wedged = True
+                wedged = not get_backend(plan.backend).transport_has_deadline
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"

@@ -40,6 +40,10 @@ class SyncBackend(ABC):
     keeps_copy: ClassVar[bool] = False
     # Environment the replicas' engine processes need (inherited by vLLM's workers).
     engine_env: ClassVar[dict[str, str]] = {}
+    # Whether the transport ends a step whose peer is gone by itself (a timeout of its
+    # own). Without one (NCCL), an engine call still running past the round's deadline
+    # is a worker blocked for good, and the replica must be replaced.
+    transport_has_deadline: ClassVar[bool] = False
 
     @abstractmethod
     def make_sender(self) -> Sender:

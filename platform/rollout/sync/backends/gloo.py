@@ -25,6 +25,7 @@ def rendezvous(plan: RoundPlan) -> Rendezvous:
 class GlooBackend(SyncBackend):
     name = "gloo"
     keeps_copy = True
+    transport_has_deadline = True  # the TCPStore's and gloo's own timeouts (the round's)
 
     def make_sender(self) -> "GlooSender":
         return GlooSender()
