@@ -125,7 +125,8 @@ class WeightPublisher:
         )
         plan = self._coordinator.begin_round(self._token, request)
         t_open = time.perf_counter()
-        error = _send_with_deadline(self._sender, plan, [tensors[p.name] for p in plan.params])
+        sender = self._sender
+        error = _send_with_deadline(sender, plan, [tensors[p.name] for p in plan.params])
         if error:
             logger.error("sending %s failed: %s", plan.round_id, error)
             # A sender thread abandoned at the deadline may still hold the group.
@@ -135,6 +136,7 @@ class WeightPublisher:
         t_done = time.perf_counter()
         # Where the trainer's time went; the replicas' own steps are in outcome.phases.
         self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
+        self.last_phases.update({f"send.{k}": v for k, v in getattr(sender, "phases", {}).items()})
         self.last_outcome = outcome
         if not outcome.committed:
             raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")

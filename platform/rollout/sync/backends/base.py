@@ -31,6 +31,9 @@ class Sender(Protocol):
     def close(self) -> None:
         """Release the transfer group."""
 
+    # Optional: ``phases``, seconds per step of the last send, where a transport reports
+    # them; the publisher adds them to ``last_phases`` as ``send.<step>``.
+
 
 class SyncBackend(ABC):
     name: ClassVar[str]
