@@ -157,9 +157,11 @@ class SyncAgent:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
         t = plan.timeout_s
-        # The transports end their own steps at the round's deadline (gloo's timeout, a
-        # failed rendezvous); an engine call still running well past it is blocked.
-        wedged_after = t + WEDGED_GRACE_S
+        # A transport with a deadline of its own (gloo) ends its steps by itself: its engine
+        # calls get the round's deadline. Without one (NCCL), an engine call still running
+        # well past the deadline is blocked for good.
+        has_deadline = get_backend(plan.backend).transport_has_deadline
+        step_limit = t if has_deadline else t + WEDGED_GRACE_S
         clock = PhaseClock()
         error: Optional[str] = None
         started = False
@@ -172,22 +174,21 @@ class SyncAgent:
                 if plan.checkpoint is not None:
                     started = True  # vLLM reloads into the live model too
                     async with clock("reload"):
-                        await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), wedged_after)
+                        await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), step_limit)
                 else:
                     async with clock("join"):
-                        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=self._init_info(plan))), wedged_after)
+                        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=self._init_info(plan))), step_limit)
                     async with clock("start"):
-                        await asyncio.wait_for(self.engine.start_weight_update(), wedged_after)
+                        await asyncio.wait_for(self.engine.start_weight_update(), step_limit)
                     started = True
                     async with clock("receive"):
-                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), wedged_after)
+                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), step_limit)
             except asyncio.TimeoutError:
-                # The engine call is still running in the engine core. With a transport that
-                # has no deadline of its own (NCCL), its worker is blocked in a collective
-                # whose peer is gone, and every later call (finish, pause, reload) would
-                # queue behind it forever. A transport with one (gloo) ends it by itself.
-                error = f"the engine did not finish {clock.current} within {wedged_after:.0f}s"
-                wedged = not get_backend(plan.backend).transport_has_deadline
+                # The engine call is still running in the engine core. Without a transport
+                # deadline its worker is blocked in a collective whose peer is gone, and every
+                # later call (finish, pause, reload) would queue behind it forever.
+                error = f"the engine did not finish {clock.current} within {step_limit:.0f}s"
+                wedged = not has_deadline
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
