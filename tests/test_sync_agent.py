@@ -96,21 +96,27 @@ class BlockedEngine(RecordingEngine):
         await asyncio.Event().wait()
 
 
-async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement_and_calls_it_no_more(model_dir, monkeypatch):
-    # NCCL has no deadline: after a trainer dies mid-broadcast, the replica's worker waits
-    # forever and every later engine call (finish, pause, reload) would queue behind it.
+async def blocked_round(model_dir, monkeypatch, backend: str):
+    """A round of ``backend`` whose replica's engine never returns from update_weights."""
     import rollout.sync.agent as agent_module
     from rollout.sync.checkpoint import checkpoint_spec
     from rollout.sync.coordinator import WeightSyncCoordinator
 
     monkeypatch.setattr(agent_module, "WEDGED_GRACE_S", 0.2)
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5}}, "nccl")
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5}}, backend)
     coordinator._token = None
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 0, specs)
     plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
     engine = BlockedEngine()
     agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
+    return agent, engine, plan
+
+
+async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement_and_calls_it_no_more(model_dir, monkeypatch):
+    # NCCL has no deadline: after a trainer dies mid-broadcast, the replica's worker waits
+    # forever and every later engine call (finish, pause, reload) would queue behind it.
+    agent, engine, plan = await blocked_round(model_dir, monkeypatch, "nccl")
 
     assert await asyncio.wait_for(agent._apply(plan), 10) is False
     assert "the engine did not finish receive within 1s" in agent.broken and "must be replaced" in agent.broken
@@ -121,18 +127,7 @@ async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement
 async def test_with_gloo_a_late_engine_call_is_an_ordinary_failure_the_replica_recovers_from(model_dir, monkeypatch):
     # gloo ends a step whose peer is gone by itself (its timeouts), only later than the
     # round's deadline on a busy host: the replica closes the update and restores, as usual.
-    import rollout.sync.agent as agent_module
-    from rollout.sync.checkpoint import checkpoint_spec
-    from rollout.sync.coordinator import WeightSyncCoordinator
-
-    monkeypatch.setattr(agent_module, "WEDGED_GRACE_S", 0.2)
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5}}, "gloo")
-    coordinator._token = None
-    specs = checkpoint_spec(str(model_dir))
-    await coordinator.register("a", 1, 0, specs)
-    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
-    engine = BlockedEngine()
-    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
+    agent, engine, plan = await blocked_round(model_dir, monkeypatch, "gloo")
 
     assert await asyncio.wait_for(agent._apply(plan), 10) is False
     assert agent.broken is None
