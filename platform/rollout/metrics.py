@@ -16,6 +16,7 @@ from functools import lru_cache
 from typing import Optional
 
 from rollout.engine.load import ReplicaLoad
+from rollout.sync.version import version_of
 
 LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 SYNC_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
@@ -70,8 +71,6 @@ class EngineMetrics:
         that are not re-reported, so an idle engine must keep reporting its zeros.
         A signal missing from ``load`` is not set: its series ages out rather than
         showing a value nobody measured."""
-        from rollout.sync.version import version_of  # not at the top: the rollout.sync package imports torch
-
         version = version_of(load.weight_version) if load.weight_version is not None else None
         for gauge, value in (
             (self.running, load.running),

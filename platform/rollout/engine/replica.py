@@ -60,9 +60,8 @@ class RolloutEngine:
         if coordinator is not None:
             from vllm.config import WeightTransferConfig
 
-            from rollout.sync.vllm_plugin import register
-
             from rollout.sync.backends import get_backend
+            from rollout.sync.vllm_plugin import register
 
             register()  # this process resolves the backend name before vLLM loads plugins
             # What the backend's engine needs (e.g. ipc: pickled handles); vLLM's engine

@@ -66,6 +66,6 @@ class SyncBackend(ABC):
             raise InvalidRequestError("transfer_info", f"the {self.name!r} backend takes no transfer_info")
 
     @staticmethod
-    def rendezvous(plan: RoundPlan, member: Member) -> dict:
+    def group_fields(plan: RoundPlan, member: Member) -> dict:
         """The fields every group-forming backend's init info starts from."""
         return dict(master_address=plan.master_address, master_port=plan.master_port, rank_offset=member.rank_offset, world_size=plan.world_size)

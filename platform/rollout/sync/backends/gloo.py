@@ -19,6 +19,7 @@ from rollout.sync.protocol import Member, RoundPlan
 
 
 def rendezvous(plan: RoundPlan) -> Rendezvous:
+    """Where the round's gloo group forms (the same for the sender, the keeper and every worker)."""
     return Rendezvous(plan.group, plan.master_address, plan.master_port, plan.world_size, plan.timeout_s)
 
 
@@ -31,7 +32,7 @@ class GlooBackend(SyncBackend):
         return GlooSender()
 
     def init_info(self, plan: RoundPlan, member: Member) -> dict:
-        return {**self.rendezvous(plan, member), "group_name": plan.group, "timeout_s": plan.timeout_s, "bucket_bytes": plan.bucket_bytes}
+        return {**self.group_fields(plan, member), "group_name": plan.group, "timeout_s": plan.timeout_s, "bucket_bytes": plan.bucket_bytes}
 
 
 class GlooSender:

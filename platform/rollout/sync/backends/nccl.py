@@ -38,7 +38,7 @@ class NcclBackend(SyncBackend):
 
     def init_info(self, plan: RoundPlan, member: Member) -> dict:
         # Packed, in the trainer's bucket size: both ends must split the stream alike.
-        return {**self.rendezvous(plan, member), "packed": True, "packed_buffer_size_bytes": plan.bucket_bytes, "packed_num_buffers": NCCL_BUFFERS}
+        return {**self.group_fields(plan, member), "packed": True, "packed_buffer_size_bytes": plan.bucket_bytes, "packed_num_buffers": NCCL_BUFFERS}
 
 
 class NcclSender:
