@@ -439,6 +439,66 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
     assert spans == {str(version)}, spans
 
 
+# ---- vLLM's RL routes ----------------------------------------------------------
+
+
+def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through_the_routes(cluster, perturbed, record):
+    """vLLM's own NCCL trainer engine, through the platform's RL routes (vLLM's HTTP client
+    with the sync token): /pause (keep) → /get_world_size → /init_weight_transfer_engine →
+    /start_weight_update → /update_weights + broadcast → /finish_weight_update → /resume.
+    It sends the original weights back; served greedy must equal the fresh engine's."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+    from rollout.sync import WeightPublisher
+    from rollout.sync.net import free_port, own_address
+    from rollout.sync.route_client import WeightRoutesClient
+
+    if "reference_perturbed" not in state:
+        pytest.skip("not run: the NCCL check left no committed perturbed policy")
+
+    class Tensors(WeightSource):
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+        def __iter__(self):
+            return iter(self.tensors.items())
+
+    trainer = torch.device("cuda", state["trainer_gpu"])
+    routes = WeightRoutesClient(f"http://127.0.0.1:{HTTP_PORT}", token=os.environ["ROLLOUT_SYNC_TOKEN"])
+    before = int(routes.weight_version())
+    rounds = []
+    with torch.cuda.device(trainer):
+        t0 = time.perf_counter()
+        routes.pause(mode="keep")
+        world = routes.get_world_size()
+        info = NCCLTrainerInitInfo(master_address=own_address(), master_port=free_port(), world_size=1 + world, rank=0)
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=routes, source=Tensors(load_weights(MODEL, str(trainer))))
+        init_s = time.perf_counter() - t0
+        for _ in range(3):  # the session's group serves every round
+            t1 = time.perf_counter()
+            engine.send_weights()
+            rounds.append(round(time.perf_counter() - t1, 4))
+        routes.resume()
+    version = int(routes.weight_version())
+    results = [state["handle"].generate_sync(requests([p]))[0] for p in PROMPTS]
+    got = tokens(results)
+    spans = {s.version for r in results for s in r.samples[0].weight_versions}
+    record(world_size=world, init_s=round(init_s, 3), round_s=rounds, versions=[before, version], greedy=first_mismatch(got, state["reference_v0"]))
+    engine.shutdown()
+    del engine
+    torch.cuda.empty_cache()
+    # Put the perturbed policy back, with its checkpoint, for the catch-up check.
+    state["committed"] = WeightPublisher.connect(app_name=state["app"], backend="nccl").publish(load_weights(perturbed, str(trainer)), checkpoint=str(perturbed))
+    torch.cuda.empty_cache()
+    assert version == before + 3, (before, version)
+    assert got == state["reference_v0"], first_mismatch(got, state["reference_v0"])
+    assert spans == {str(version)}, spans
+
+
 # ---- catch-up ------------------------------------------------------------------
 
 
@@ -522,44 +582,6 @@ def RolloutClientFor(app: str):
     from rollout.client import RolloutClient
 
     return RolloutClient.connect(app_name=app)
-
-
-# ---- tensor parallelism --------------------------------------------------------
-
-
-def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_gloo_publish(cluster, perturbed, record):
-    """TP=2 over both GPUs; the trainer cannot share a GPU with an NCCL rank, so the
-    publish goes over gloo (the backend that fits a machine whose GPUs all serve)."""
-    import ray
-
-    from rollout.sync import WeightPublisher
-
-    cfg = platform_cfg("gpu-tp", "gloo", tensor_parallel_size=2)
-    record(replica_start_s=round(deploy(cfg), 1))
-    client = RolloutClientFor(cfg.app_name)
-    reference, start_s = start_engine("0,1", cfg.model.model_dump(mode="json"))
-    try:
-        want = greedy(on_engine(reference))
-        got = greedy(on_platform(client))
-        record(reference_start_s=round(start_s, 1), greedy=first_mismatch(got, want))
-        assert got == want, first_mismatch(got, want)
-
-        tensors = load_weights(perturbed, "cpu")
-        pub = WeightPublisher.connect(app_name=cfg.app_name, backend="gloo")
-        t0 = time.perf_counter()
-        version = pub.publish(tensors, checkpoint=str(perturbed))
-        publish_s = time.perf_counter() - t0
-        pub.close()
-        ray.get(reference.reload.remote(str(perturbed)), timeout=300)
-        want = greedy(on_engine(reference))
-        results = [client.generate_sync(requests([p]))[0] for p in PROMPTS]
-        got = tokens(results)
-        record(publish_s=round(publish_s, 3), version=version, phases=pub.last_outcome.phases, greedy_after_publish=first_mismatch(got, want))
-        assert got == want, first_mismatch(got, want)
-        assert {s.version for r in results for s in r.samples[0].weight_versions} == {str(version)}
-    finally:
-        stop(reference)
-        delete(cfg.app_name)
 
 
 # ---- trainer killed mid-publish ------------------------------------------------
@@ -654,3 +676,41 @@ def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_vers
     delete(cfg.app_name)
     assert status, f"not every replica served version {committed} within 300 s of the kill; last outcome {outcome}"
     assert outcome and not outcome["committed"], outcome
+
+
+# ---- tensor parallelism --------------------------------------------------------
+
+
+def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_gloo_publish(cluster, perturbed, record):
+    """TP=2 over both GPUs; the trainer cannot share a GPU with an NCCL rank, so the
+    publish goes over gloo (the backend that fits a machine whose GPUs all serve)."""
+    import ray
+
+    from rollout.sync import WeightPublisher
+
+    cfg = platform_cfg("gpu-tp", "gloo", tensor_parallel_size=2)
+    record(replica_start_s=round(deploy(cfg), 1))
+    client = RolloutClientFor(cfg.app_name)
+    reference, start_s = start_engine("0,1", cfg.model.model_dump(mode="json"))
+    try:
+        want = greedy(on_engine(reference))
+        got = greedy(on_platform(client))
+        record(reference_start_s=round(start_s, 1), greedy=first_mismatch(got, want))
+        assert got == want, first_mismatch(got, want)
+
+        tensors = load_weights(perturbed, "cpu")
+        pub = WeightPublisher.connect(app_name=cfg.app_name, backend="gloo")
+        t0 = time.perf_counter()
+        version = pub.publish(tensors, checkpoint=str(perturbed))
+        publish_s = time.perf_counter() - t0
+        pub.close()
+        ray.get(reference.reload.remote(str(perturbed)), timeout=300)
+        want = greedy(on_engine(reference))
+        results = [client.generate_sync(requests([p]))[0] for p in PROMPTS]
+        got = tokens(results)
+        record(publish_s=round(publish_s, 3), version=version, phases=pub.last_outcome.phases, greedy_after_publish=first_mismatch(got, want))
+        assert got == want, first_mismatch(got, want)
+        assert {s.version for r in results for s in r.samples[0].weight_versions} == {str(version)}
+    finally:
+        stop(reference)
+        delete(cfg.app_name)

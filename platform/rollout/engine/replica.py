@@ -343,6 +343,10 @@ class RolloutEngine:
         """
         self._raise_if_dead()
         await asyncio.wait_for(self.engine.check_health(), timeout=self.config.deployment.health_check_timeout_s)
+        if self.sync is not None and self.sync.held:
+            # A trainer's /pause holds the requests on purpose; its /resume starts the clock again.
+            self._busy_since = time.monotonic()
+            return
         idle_for = min(self.snapshot.seconds_since_step(), time.monotonic() - self._busy_since)
         if self.inflight > 0 and idle_for > self.config.deployment.stuck_timeout_s:
             raise EngineUnavailableError(

@@ -8,7 +8,7 @@ import logging
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -31,7 +31,8 @@ from rollout.sync.remote import OUTCOME, PLAN, SYNC_TOKEN_HEADER, BeginRoundBody
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="Rollout Platform", version="1")
+from rollout.http.routes_app import app  # noqa: E402  (the routes below and in rl_routes share it)
+from rollout.http.rl_routes import VllmRlRoutes  # noqa: E402
 
 
 def _error(status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -120,7 +121,7 @@ async def _first_then_rest(agen: AsyncIterator[RolloutChunk]) -> tuple[RolloutCh
 
 
 @serve.ingress(app)
-class HttpIngress:
+class HttpIngress(VllmRlRoutes):
     def __init__(self, engine_handle, config: dict[str, Any], coordinator_handle=None):
         self.config = PlatformConfig.model_validate(config)
         self.engine = HandleTransport(engine_handle, self.config.deployment.client_batch_size)

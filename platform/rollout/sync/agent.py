@@ -20,7 +20,7 @@ from rollout.errors import StaleWeightsError
 from rollout.sync.backends import get_backend
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
-from rollout.sync.protocol import Reregister, RoundOutcome, RoundPlan
+from rollout.sync.protocol import Control, Reregister, RoundOutcome, RoundPlan, SessionPlan
 from rollout.sync.version import version_of
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,14 @@ class SyncAgent:
         self.committed = 0
         self._broken: Optional[str] = None
         self._task: Optional[asyncio.Task] = None
+        # What a trainer asked through vLLM's routes (/pause, /reset_prefix_cache), as applied here.
+        self.control = Control()
+        self._reset_ok = True
+
+    @property
+    def held(self) -> bool:
+        """Generation is paused by a trainer's ``/pause`` until its ``/resume``."""
+        return self.control.paused is not None
 
     @property
     def broken(self) -> Optional[str]:
@@ -102,7 +110,7 @@ class SyncAgent:
     async def _poll_forever(self) -> None:
         while True:
             try:
-                plan = await self.coordinator.next_round.remote(self.replica_id, self.version)
+                plan = await self.coordinator.next_round.remote(self.replica_id, self.version, self.control, self._reset_ok)
             except Exception as e:
                 logger.warning("replica %s: coordinator unreachable (%s); retrying", self.replica_id, e)
                 await asyncio.sleep(1.0)
@@ -112,6 +120,12 @@ class SyncAgent:
             if isinstance(plan, Reregister):
                 await self._reregister()
                 continue
+            if isinstance(plan, Control):
+                await self._apply_control(plan)
+                continue
+            if isinstance(plan, SessionPlan):
+                await self._join_session(plan)
+                continue
             try:
                 consistent = await self._apply(plan)
             except Exception:
@@ -119,6 +133,39 @@ class SyncAgent:
                 consistent = False
             if not consistent and not self.broken:
                 await self._restore()
+
+    async def _apply_control(self, want: Control) -> None:
+        try:
+            if want.paused and want.paused != self.control.paused:
+                await self.engine.pause_generation(mode=want.paused, clear_cache=want.clear_cache)
+            elif not want.paused and self.control.paused:
+                await self.engine.resume_generation()
+            if want.cache_resets != self.control.cache_resets:
+                self._reset_ok = bool(await self.engine.reset_prefix_cache())
+        except Exception as e:
+            # Not applied: the next poll reports the old state and gets the request again.
+            logger.error("replica %s: applying %s failed: %s", self.replica_id, want, e)
+            await asyncio.sleep(1.0)
+            return
+        logger.info("replica %s: applied %s", self.replica_id, want)
+        self.control = want
+
+    async def _join_session(self, plan: SessionPlan) -> None:
+        """``/init_weight_transfer_engine``: join the trainer's group; nothing is loaded."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        limit = plan.timeout_s if get_backend(plan.backend).transport_has_deadline else plan.timeout_s + WEDGED_GRACE_S
+        error = None
+        try:
+            request = WeightTransferInitRequest(init_info=plan.member_init_info(self.replica_id))
+            await asyncio.wait_for(self.engine.init_weight_transfer_engine(request), limit)
+        except asyncio.TimeoutError:
+            error = f"joining the trainer's group did not finish within {limit:.0f}s"
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        if error:
+            logger.error("replica %s: %s: %s", self.replica_id, plan.session_id, error)
+        await self.coordinator.joined.remote(plan.session_id, self.replica_id, error)
 
     async def _reregister(self) -> None:
         # The coordinator restarted (and learns the committed version back from us) or
@@ -167,8 +214,9 @@ class SyncAgent:
         started = False
         consistent = False
         wedged = False
-        async with clock("pause"):
-            await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
+        if not self.held:  # a trainer's /pause holds it already (pausing again could abort what it keeps)
+            async with clock("pause"):
+                await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
         try:
             try:
                 if plan.checkpoint is not None:
@@ -176,13 +224,18 @@ class SyncAgent:
                     async with clock("reload"):
                         await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), step_limit)
                 else:
-                    async with clock("join"):
-                        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=self._init_info(plan))), step_limit)
+                    if not plan.session:  # a route session's members joined at its init
+                        async with clock("join"):
+                            await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=self._init_info(plan))), step_limit)
                     async with clock("start"):
                         await asyncio.wait_for(self.engine.start_weight_update(), step_limit)
                     started = True
+                    update_info = plan.update_info()
+                    if plan.session:
+                        async with clock("trainer"):
+                            update_info = await self._session_update_info(plan)
                     async with clock("receive"):
-                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=plan.update_info())), step_limit)
+                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)), step_limit)
             except asyncio.TimeoutError:
                 # The engine call is still running in the engine core. Without a transport
                 # deadline its worker is blocked in a collective whose peer is gone, and every
@@ -201,8 +254,8 @@ class SyncAgent:
                     if plan.checkpoint is not None:
                         await asyncio.wait_for(self.engine.update_weight_version(str(plan.version)), t)
                     else:
-                        await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(plan.version)), t)
-                self.version = plan.version
+                        await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(outcome.version)), t)
+                self.version = outcome.version
                 consistent = True
             elif wedged:
                 # Nothing more can run on this engine: fail health checks so Serve replaces
@@ -218,12 +271,21 @@ class SyncAgent:
             else:
                 consistent = True  # nothing was loaded
         finally:
-            if consistent:
+            if consistent and not self.held:
                 async with clock("resume"):
                     await self.engine.resume_generation()
         logger.info("replica %s: %s took %s", self.replica_id, plan.round_id, clock)
         await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version, clock.phases)
         return consistent
+
+    async def _session_update_info(self, plan: RoundPlan) -> dict:
+        """A route session's round: say this member started, then wait for the trainer's
+        ``/update_weights`` (the round's deadline bounds the wait)."""
+        await self.coordinator.started.remote(plan.round_id, self.replica_id, None)
+        info = await self.coordinator.update_info.remote(plan.round_id, self.replica_id)
+        if info is None:
+            raise RuntimeError(f"{plan.round_id} ended before the trainer's /update_weights")
+        return info
 
     def _init_info(self, plan: RoundPlan) -> dict:
         return get_backend(plan.backend).init_info(plan, plan.member(self.replica_id))

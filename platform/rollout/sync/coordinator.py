@@ -22,21 +22,13 @@ from rollout.config import PlatformConfig
 from rollout.errors import AuthenticationError, InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import get_backend
-from rollout.sync.protocol import REREGISTER, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SyncError
+from rollout.sync.protocol import REREGISTER, Control, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SessionPlan, SyncError
+from rollout.sync.rules import assign_ranks, check_spec
+from rollout.sync.sessions import RouteSessions
 
 HISTORY = 20  # round outcomes kept for status()
 
 logger = logging.getLogger(__name__)
-
-
-def assign_ranks(replicas: dict[str, int]) -> tuple[tuple[Member, ...], int]:
-    """Trainer is rank 0; each replica gets a contiguous block of its worker count."""
-    members = []
-    offset = 1
-    for rid in sorted(replicas):
-        members.append(Member(rid, offset, replicas[rid]))
-        offset += replicas[rid]
-    return tuple(members), offset
 
 
 @dataclass
@@ -45,6 +37,8 @@ class _Replica:
     version: int
     last_seen: float
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    control: Control = Control()  # what the replica last applied
+    reset_ok: bool = True  # its last prefix-cache reset succeeded
 
 
 @dataclass
@@ -62,6 +56,14 @@ class _Round:
     applied: set[str] = field(default_factory=set)  # members serving the decided version again
     all_applied: asyncio.Event = field(default_factory=asyncio.Event)
     checkpoint: Optional[str] = None  # the publisher's copy of these weights on shared storage
+    version: int = 0  # committed on success: the plan's, or the one /finish_weight_update names
+    # Rounds of a route session: members that started, and the trainer's /update_weights info.
+    started: dict[str, Optional[str]] = field(default_factory=dict)
+    update_info: Optional[dict] = None
+    update_ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.version = self.version or self.plan.version
 
 
 @dataclass(frozen=True)
@@ -78,26 +80,9 @@ class _Group:
         return cls(plan.group, plan.master_address, plan.master_port, (plan.members, plan.world_size, plan.keeper_rank))
 
 
-def check_spec(sent: list[ParamSpec], expected: list[ParamSpec]) -> None:
-    """Reject a publish whose tensors cannot be loaded, naming the first problem."""
-    want = {p.name: p for p in expected}
-    got = {p.name: p for p in sent}
-    unknown = [n for n in got if n not in want]
-    if unknown:
-        raise InvalidRequestError("named_tensors", f"{len(unknown)} unknown parameter names, e.g. {unknown[:3]}")
-    missing = [n for n in want if n not in got]
-    if missing:
-        raise InvalidRequestError("named_tensors", f"{len(missing)} parameters missing, e.g. {missing[:3]}; publish the full model")
-    for name, p in got.items():
-        w = want[name]
-        if p.shape != w.shape:
-            raise InvalidRequestError(f"named_tensors[{name}]", f"shape {list(p.shape)} does not match the model's {list(w.shape)}")
-        if p.dtype != w.dtype:
-            raise InvalidRequestError(f"named_tensors[{name}]", f"dtype {p.dtype} does not match the model's {w.dtype}")
-
-
-class WeightSyncCoordinator:
-    """Serve deployment class (exactly one replica)."""
+class WeightSyncCoordinator(RouteSessions):
+    """Serve deployment class (exactly one replica). vLLM's RL routes drive it through
+    :class:`~rollout.sync.sessions.RouteSessions`."""
 
     def __init__(self, config: dict[str, Any], backend: str):
         self.config = PlatformConfig.model_validate(config)
@@ -129,6 +114,7 @@ class WeightSyncCoordinator:
         self._checkpoint: Optional[tuple[int, str]] = None
         # Held from opening a round until its decision: one round at a time.
         self._round_lock = asyncio.Lock()
+        self._init_sessions()
 
     # ---- replicas ------------------------------------------------------------------
 
@@ -147,15 +133,18 @@ class WeightSyncCoordinator:
         logger.info("replica %s registered at version %d (committed %d)", replica_id, version, self.committed_version)
         return self.committed_version
 
-    async def next_round(self, replica_id: str, version: int) -> Union[RoundPlan, Reregister, None]:
-        """Long poll: the plan of a round this replica is a member of, None after a
-        while, or ``REREGISTER`` when the coordinator does not know the replica (it
-        restarted, or dropped the replica as silent)."""
+    async def next_round(
+        self, replica_id: str, version: int, control: Control = Control(), reset_ok: bool = True
+    ) -> Union[RoundPlan, SessionPlan, Control, Reregister, None]:
+        """Long poll: the plan of a round (or a route session to join) this replica is a
+        member of, the :class:`Control` to apply when the replica's (``control``) differs,
+        None after a while, or ``REREGISTER`` when the coordinator does not know the
+        replica (it restarted, or dropped the replica as silent)."""
         r = self.replicas.get(replica_id)
         if r is None:
             return REREGISTER
         r.last_seen = time.monotonic()
-        r.version = version
+        r.version, r.control, r.reset_ok = version, control, reset_ok
         plan = self._pending_plan(replica_id)
         if plan is None:
             r.wake.clear()
@@ -167,7 +156,12 @@ class WeightSyncCoordinator:
             plan = self._pending_plan(replica_id)
         return plan
 
-    def _pending_plan(self, replica_id: str) -> Optional[RoundPlan]:
+    def _pending_plan(self, replica_id: str) -> Union[RoundPlan, SessionPlan, Control, None]:
+        if self.replicas[replica_id].control != self.control:
+            return self.control
+        join = self._pending_join(replica_id)
+        if join is not None:
+            return join
         rnd = self.round
         if rnd is None or rnd.decided.is_set() or replica_id in rnd.reports:
             return None
@@ -228,6 +222,7 @@ class WeightSyncCoordinator:
             raise InvalidRequestError("version", f"{request.version} must be greater than the committed version {self.committed_version}")
         await self._acquire_round()
         try:
+            self._end_session("a publish from WeightPublisher took the replicas' transfer engines")
             plan = self._open_publish_round(request)
             self.round.checkpoint = request.checkpoint
             return plan
@@ -285,12 +280,12 @@ class WeightSyncCoordinator:
         """The one place a round's plan is made (publish and restore rounds)."""
         sync = self.config.sync
         fields.setdefault("params", tuple(self.params))
+        fields.setdefault("bucket_bytes", sync.bucket_bytes)  # a route session's trainer picks its own
         return RoundPlan(
             round_id=f"{kind}-{uuid.uuid4().hex[:8]}",
             version=version,
             backend=self.backend,
             members=members,
-            bucket_bytes=sync.bucket_bytes,
             timeout_s=sync.timeout_s,
             **fields,
         )
@@ -331,6 +326,8 @@ class WeightSyncCoordinator:
             self._check_keeper_holds_committed(replica_id)
         await self._acquire_round()
         try:
+            if not checkpoint and self._session is not None and replica_id in self._session.member_ids:
+                self._end_session(f"{replica_id} is restored over a group of its own")
             plan = self._plan(
                 f"{'reload' if checkpoint else 'restore'}-{self.committed_version}",
                 self.committed_version,
@@ -403,16 +400,18 @@ class WeightSyncCoordinator:
             kind = "restore" if rnd.plan.restore else "publish"
             self.metrics.round(kind, committed, time.monotonic() - rnd.opened_at, nbytes, reason)
         if committed:
-            self.committed_version = rnd.plan.version
+            self.committed_version = rnd.version
+        elif rnd.plan.session:
+            self._end_session(f"{rnd.plan.round_id} aborted")  # members restore over other groups
         if not rnd.plan.restore:
             # Every participant keeps a committed round's group; after an abort some
             # have dropped it, so the next round forms a new one.
             self._group = _Group.of(rnd.plan) if committed else None
         if committed and not rnd.plan.restore:
-            self._checkpoint = (rnd.plan.version, rnd.checkpoint) if rnd.checkpoint else None
+            self._checkpoint = (rnd.version, rnd.checkpoint) if rnd.checkpoint else None
         if self.keeper is not None and not rnd.plan.restore:
             if committed:
-                self.keeper.commit(rnd.plan.round_id)
+                self.keeper.commit(rnd.plan.round_id, rnd.version)
             else:
                 self.keeper.discard(rnd.plan.round_id)
         rnd.outcome = RoundOutcome(rnd.plan.round_id, committed, self.committed_version, error or "", failed)

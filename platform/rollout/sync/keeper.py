@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from rollout.sync.backends.gloo import GlooSender, rendezvous
-from rollout.sync.backends.gloo_group import GroupSlot
+from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets
 from rollout.sync.protocol import ParamSpec, RoundPlan
 
@@ -39,6 +39,10 @@ class WeightKeeper:
 
     # ---- receiving (a rank of every publish round) ----------------------------------
 
+    def join(self, rendezvous: Rendezvous, rank: int) -> None:
+        """Blocking: join a route session's group ahead of its rounds (see sessions.py)."""
+        self._slot.join(rendezvous, rank)
+
     def receive(self, plan: RoundPlan, rank: int) -> None:
         """Blocking: join ``plan``'s group as ``rank`` and stage every tensor."""
         staged: dict[str, torch.Tensor] = {}
@@ -48,14 +52,15 @@ class WeightKeeper:
                 staged.update(named)
         self._staging[plan.round_id] = (plan.version, staged)
 
-    def commit(self, round_id: str) -> None:
+    def commit(self, round_id: str, version: int) -> None:
+        """``round_id`` committed as ``version`` (a route session's trainer names it at the end)."""
         staged = self._staging.pop(round_id, None)
         if staged is None:
             # Never hand out weights we cannot vouch for: no restore until the next publish.
             logger.error("keeper: round %s committed without a staged copy; holding no valid copy", round_id)
             self.version, self._committed = -1, None
             return
-        self.version, self._committed = staged
+        self.version, self._committed = version, staged[1]
         logger.info("keeper holds version %d", self.version)
 
     def discard(self, round_id: str) -> None:

@@ -104,6 +104,10 @@ class RoundPlan:
     # Restore rounds only: a directory of the committed weights that the member reloads
     # with vLLM's ``reload_weights`` instead of receiving them.
     checkpoint: Optional[str] = None
+    # Rounds a trainer drives through vLLM's routes: the session whose transfer group the
+    # members joined at ``/init_weight_transfer_engine``. Members skip the join and take
+    # the update info from ``/update_weights`` (``params`` is empty until then).
+    session: str = ""
 
     @property
     def group(self) -> str:
@@ -124,6 +128,36 @@ class RoundPlan:
             shapes=[list(p.shape) for p in self.params],
             **(self.transfer_info or {}),
         )
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """``/init_weight_transfer_engine`` from a trainer written for ``vllm serve``: every
+    member joins the trainer's transfer group and keeps it for the session's rounds."""
+
+    session_id: str
+    backend: str
+    members: tuple[Member, ...]
+    world_size: int
+    init_info: dict  # the trainer's, as posted; each member gets its own rank_offset
+    timeout_s: float
+
+    def member_init_info(self, replica_id: str) -> dict:
+        member = next(m for m in self.members if m.replica_id == replica_id)
+        return {**self.init_info, "rank_offset": member.rank_offset, "world_size": self.world_size}
+
+
+@dataclass(frozen=True)
+class Control:
+    """What a trainer asked of every replica outside rounds, through vLLM's routes.
+
+    Replicas report the Control they last applied on every poll; the coordinator answers
+    a different one at once, so replicas that start later (or missed a poll) converge.
+    """
+
+    paused: Optional[PauseMode] = None  # ``/pause``'s mode, held until ``/resume``
+    clear_cache: bool = False  # ``/pause``'s clear_cache
+    cache_resets: int = 0  # ``/reset_prefix_cache`` calls so far
 
 
 @dataclass

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine("gloo", "rollout.sync.backends.gloo_worker", "GlooWeightTransferEngine")
-    except ValueError:
-        # Plugins may load more than once per process: already registered is fine.
-        pass
+    for factory, module, cls in (
+        (WeightTransferEngineFactory, "rollout.sync.backends.gloo_worker", "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "rollout.sync.backends.gloo_trainer", "GlooTrainerWeightTransferEngine"),
+    ):
+        try:
+            factory.register_engine("gloo", module, cls)
+        except ValueError:
+            # Plugins may load more than once per process: already registered is fine.
+            pass

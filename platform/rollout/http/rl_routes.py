@@ -1,0 +1,130 @@
+"""vLLM's RL control routes (``vllm serve``'s RL mode), coordinated over every replica.
+
+Same paths, parameters and payloads as ``vllm/entrypoints/rl/online/api_router.py``
+(plus ``/reset_prefix_cache`` from its dev routes); behind them the coordinator turns
+one trainer's calls into rounds over every replica (see ``rollout/sync/sessions.py``).
+
+They change every replica's weights, so they take the sync token: ``X-Rollout-Sync-Token``
+or ``Authorization: Bearer <token>`` (a trainer's only header with vLLM's own clients).
+Without a sync token configured they take the API key, when there is one.
+``/collective_rpc`` and ``/weight_checker``'s reset run code on the engines' workers and
+are refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import Annotated, Any, Optional
+
+from fastapi import Body, Query, Request
+from fastapi.responses import JSONResponse
+
+from rollout.errors import AuthenticationError, InvalidRequestError, unwrap_remote
+from rollout.http.routes_app import app
+from rollout.sync.protocol import PauseMode, SyncError
+from rollout.sync.remote import SYNC_TOKEN_HEADER
+
+REFUSED = (
+    "runs arbitrary methods on every engine worker, which would let any caller with the token run code "
+    "there and bypass the coordinator's rounds and rollback; it is not served here"
+)
+
+
+def _credential(request: Request) -> Optional[str]:
+    token = request.headers.get(SYNC_TOKEN_HEADER)
+    if token:
+        return token
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+class VllmRlRoutes:
+    """Mixed into the ingress (``self.coordinator``, ``self.config``, ``app.state.api_key``)."""
+
+    async def _rl(self, request: Request, method: str, *args: Any) -> Any:
+        """Call the coordinator on behalf of a trainer, its credential checked there."""
+        if self.coordinator is None:
+            raise SyncError("weight sync is disabled on this platform (sync.enabled: false)")
+        token = _credential(request)
+        if not os.environ.get(self.config.sync.token_env) and not self.config.sync.allowed_service_accounts:
+            # No sync token: the API key (if any) guards these routes like every other.
+            key = request.app.state.api_key.key
+            if key is not None and not (token and hmac.compare_digest(token.encode(), key.encode())):
+                raise AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>'")
+            token = None
+        try:
+            return await getattr(self.coordinator, method).remote(token, *args)
+        except Exception as e:
+            raise unwrap_remote(e) from None
+
+    @app.post("/pause")
+    async def rl_pause(self, request: Request, mode: Annotated[PauseMode, Query()] = "abort", clear_cache: Annotated[bool, Query()] = True) -> dict:
+        await self._rl(request, "pause", mode, clear_cache and mode != "keep")
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def rl_resume(self, request: Request) -> dict:
+        await self._rl(request, "resume")
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def rl_is_paused(self, request: Request) -> dict:
+        return {"is_paused": await self._rl(request, "paused")}
+
+    @app.post("/reset_prefix_cache")
+    async def rl_reset_prefix_cache(self, request: Request, reset_running_requests: bool = Query(False), reset_external: bool = Query(False)) -> dict:
+        if reset_running_requests or reset_external:
+            raise InvalidRequestError("reset_running_requests" if reset_running_requests else "reset_external", "not supported here; only the local prefix cache is reset")
+        return {"success": await self._rl(request, "reset_prefix_cache")}
+
+    @app.get("/get_world_size")
+    async def rl_get_world_size(self, request: Request, include_dp: bool = Query(True)) -> dict:
+        return {"world_size": await self._rl(request, "world_size")}
+
+    @app.post("/init_weight_transfer_engine")
+    async def rl_init(self, request: Request, init_info: Annotated[dict[str, Any], Body(embed=True)]) -> dict:
+        await self._rl(request, "open_session", init_info)
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def rl_shutdown(self, request: Request) -> dict:
+        await self._rl(request, "shutdown_session")
+        return {"message": "Weight transfer shut down"}
+
+    @app.post("/start_weight_update")
+    async def rl_start(self, request: Request) -> dict:
+        await self._rl(request, "start_update")
+        return {"message": "Weight update started"}
+
+    @app.post("/update_weights")
+    async def rl_update(self, request: Request, update_info: Annotated[Any, Body(embed=True)]) -> dict:
+        await self._rl(request, "update", update_info)
+        return {"message": "Weights updated"}
+
+    @app.post("/finish_weight_update")
+    async def rl_finish(self, request: Request, weight_version: Annotated[Optional[str], Body(embed=True)] = None) -> dict:
+        await self._rl(request, "finish_update", weight_version)
+        return {"message": "Weight update finished"}
+
+    @app.get("/weight_info")
+    async def rl_weight_info(self, request: Request) -> dict:
+        return {"weight_version": str(await self._rl(request, "weight_version"))}
+
+    @app.post("/update_weight_version")
+    async def rl_update_weight_version(self, request: Request, new_version: Annotated[str, Body(embed=True)]) -> dict:
+        committed = await self._rl(request, "weight_version")
+        if new_version.strip() != str(committed):
+            raise SyncError(
+                f"new_version: versions here name the weights that produced each token, so they change only with "
+                f"the weights; pass weight_version={new_version!r} to /finish_weight_update (committed: {committed})"
+            )
+        return {"success": True, "new_version": new_version}
+
+    @app.post("/collective_rpc")
+    async def rl_collective_rpc(self) -> JSONResponse:
+        return JSONResponse(status_code=403, content={"error": {"message": f"/collective_rpc {REFUSED}", "type": "forbidden"}})
+
+    @app.post("/weight_checker")
+    async def rl_weight_checker(self) -> JSONResponse:
+        return JSONResponse(status_code=403, content={"error": {"message": f"/weight_checker resets weights through collective_rpc, which {REFUSED}", "type": "forbidden"}})

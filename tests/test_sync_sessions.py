@@ -1,0 +1,121 @@
+"""Route sessions (vLLM's RL routes) in the coordinator, in one process: the replicas'
+side is played by the calls their agents make (nccl: no weight copy takes part)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout.errors import InvalidRequestError
+from rollout.sync.protocol import Control, ParamSpec, RoundPlan, SessionPlan, SyncError
+from rollout.sync.sessions import parse_update_info, parse_version
+from tests.test_sync_coordinator import SPECS, coordinator
+
+INIT = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "packed": True}
+UPDATE = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2, 2]], "packed": True}
+
+
+class Member:
+    """What one replica's agent does in a session, step by step."""
+
+    def __init__(self, c, rid: str):
+        self.c, self.rid = c, rid
+
+    async def poll(self):
+        return await self.c.next_round(self.rid, self.c.replicas[self.rid].version, self.c.replicas[self.rid].control)
+
+    async def join(self):
+        plan = await self.poll()
+        assert isinstance(plan, SessionPlan), plan
+        await self.c.joined(plan.session_id, self.rid, None)
+        return plan
+
+    async def round(self, version_seen: list):
+        plan = await self.poll()
+        assert isinstance(plan, RoundPlan) and plan.session, plan
+        await self.c.started(plan.round_id, self.rid, None)
+        info = await self.c.update_info(plan.round_id, self.rid)
+        assert info == UPDATE
+        outcome = await self.c.report(plan.round_id, self.rid, None)
+        version_seen.append(outcome.version)
+        await self.c.applied(plan.round_id, self.rid, outcome.version)
+
+
+async def two_members():
+    c = coordinator()
+    for rid in ("a", "b"):
+        await c.register(rid, 1, 0, SPECS)
+    return c, [Member(c, "a"), Member(c, "b")]
+
+
+async def test_one_trainers_calls_drive_every_replica_and_each_gets_its_own_rank_offset():
+    c, members = await two_members()
+    assert await c.world_size(None) == 2
+    init = asyncio.create_task(c.open_session(None, {**INIT, "world_size": 3}))
+    plans = await asyncio.gather(*(m.join() for m in members))
+    await asyncio.wait_for(init, 2)
+    assert [p.member_init_info(m.rid)["rank_offset"] for p, m in zip(plans, members)] == [1, 2]
+    assert plans[0].member_init_info("a")["packed"] is True and plans[0].world_size == 3
+    for expected in (1, 7):  # two rounds on one session's group
+        seen: list = []
+        rounds = [asyncio.create_task(m.round(seen)) for m in members]
+        await asyncio.wait_for(c.start_update(None), 2)
+        await asyncio.wait_for(c.update(None, UPDATE), 2)
+        version = await asyncio.wait_for(c.finish_update(None, None if expected == 1 else "7"), 2)
+        await asyncio.gather(*rounds)
+        assert version == expected and seen == [expected, expected] and c.committed_version == expected
+
+
+async def test_steps_out_of_order_are_refused_and_change_nothing():
+    c, members = await two_members()
+    with pytest.raises(SyncError, match="init_weight_transfer_engine first"):
+        await c.start_update(None)
+    with pytest.raises(InvalidRequestError, match="init_info.world_size"):
+        await c.open_session(None, {**INIT, "world_size": 2})
+    with pytest.raises(InvalidRequestError, match="init_info.rank_offset"):
+        await c.open_session(None, {**INIT, "rank_offset": 0, "world_size": 3})
+    init = asyncio.create_task(c.open_session(None, {**INIT, "world_size": 3}))
+    await asyncio.gather(*(m.join() for m in members))
+    await init
+    with pytest.raises(SyncError, match="call /start_weight_update first"):
+        await c.update(None, UPDATE)
+    with pytest.raises(SyncError, match="no weight update is in progress"):
+        await c.finish_update(None, None)
+    assert c.round is None and c.committed_version == 0
+
+
+async def test_a_membership_change_ends_the_session_with_a_clear_error():
+    c, members = await two_members()
+    init = asyncio.create_task(c.open_session(None, {**INIT, "world_size": 3}))
+    await asyncio.gather(*(m.join() for m in members))
+    await init
+    await c.register("c", 1, 0, SPECS)
+    with pytest.raises(SyncError, match=r"joined: \['c'\].*call /get_world_size"):
+        await c.start_update(None)
+
+
+async def test_pause_returns_once_every_replica_applied_it():
+    c, members = await two_members()
+    pause = asyncio.create_task(c.pause(None, "keep", False))
+    answers = await asyncio.gather(*(m.poll() for m in members))
+    assert answers == [Control(paused="keep")] * 2
+    await asyncio.sleep(0.1)
+    assert not pause.done(), "the replicas have not applied it yet"
+    for m in members:  # their next poll reports it applied
+        c.replicas[m.rid].control = Control(paused="keep")
+    await asyncio.wait_for(pause, 2)
+    assert await c.paused(None)
+
+
+def test_update_info_and_versions_are_checked_naming_the_field():
+    assert parse_update_info(UPDATE) == [ParamSpec("w", "float32", (2, 2))]
+    with pytest.raises(InvalidRequestError, match="update_info.shapes"):
+        parse_update_info({**UPDATE, "shapes": None})
+    with pytest.raises(InvalidRequestError, match="same length"):
+        parse_update_info({**UPDATE, "names": ["w", "v"]})
+    assert parse_version(None, 3) == 4 and parse_version("9", 3) == 9
+    with pytest.raises(InvalidRequestError, match="weight_version"):
+        parse_version("3", 3)
+    with pytest.raises(InvalidRequestError, match="weight_version"):
+        parse_version("v3", 3)

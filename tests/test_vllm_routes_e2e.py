@@ -1,0 +1,159 @@
+"""vLLM's RL control routes at the ingress, driven by a trainer written for ``vllm serve``:
+vLLM's own HTTP weight-sync client (with the sync token) and trainer-engine interface,
+gloo on CPU, two replicas. Runs after the weight-sync module (it changes the weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+import requests
+
+from rollout.sync.net import free_port, own_address
+from tests.conftest import API_KEY, SYNC_TOKEN
+from tests.test_weight_sync_e2e import PROMPTS, greedy, perturbed_policy, save_policy
+
+pytestmark = pytest.mark.e2e
+
+
+def scaled(platform, n):
+    return platform.model_copy(update={"deployment": platform.deployment.model_copy(update={"replicas": n})})
+
+
+@pytest.fixture(scope="module")
+def two_replicas(platform):
+    from rollout.app import deploy
+
+    deploy(scaled(platform, 2))
+    return platform
+
+
+@pytest.fixture(scope="module")
+def routes(base_url):
+    from rollout.sync.route_client import WeightRoutesClient
+
+    return WeightRoutesClient(base_url, token=SYNC_TOKEN, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def policy_v2(model_dir, tmp_path_factory):
+    model = perturbed_policy(model_dir, seed=2)
+    return model, save_policy(model, model_dir, tmp_path_factory.mktemp("policy-v2"))
+
+
+@pytest.fixture(scope="module")
+def reference_v2(ray_cluster, policy_v2):
+    from tests.conftest import KV_BYTES, MAX_MODEL_LEN
+    from tests.reference import ReferenceLLM
+
+    return ReferenceLLM.remote(str(policy_v2[1]), MAX_MODEL_LEN, KV_BYTES)
+
+
+def sync_status(routes):
+    resp = requests.get(f"{routes.base_url}/v1/sync/status", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def post(base_url, path, token=SYNC_TOKEN, **kwargs):
+    headers = {"X-Rollout-Sync-Token": token} if token else {}
+    return requests.post(f"{base_url}/{path}", headers=headers, timeout=60, **kwargs)
+
+
+def test_bad_sequences_get_a_4xx_naming_the_problem_and_change_no_replica(two_replicas, base_url, routes):
+    before = sync_status(routes)
+    world = routes.get_world_size()
+    assert world == 2 + 1, "two replicas of one rank, plus the coordinator's copy"
+    cases = [
+        (post(base_url, "start_weight_update", token=None), 401, "missing sync token"),
+        (post(base_url, "start_weight_update", token="wrong"), 401, "wrong sync token"),
+        (post(base_url, "update_weights", json={"update_info": {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]}}), 409, "call /get_world_size and /init_weight_transfer_engine"),
+        (post(base_url, "finish_weight_update"), 409, "no weight update is in progress"),
+        (
+            post(base_url, "init_weight_transfer_engine", json={"init_info": {"master_address": "127.0.0.1", "master_port": 29999, "rank_offset": 1, "world_size": world, "group_name": "g"}}),
+            400,
+            "init_info.world_size",
+        ),
+        (post(base_url, "init_weight_transfer_engine", json={"init_info": {"master_port": 29999, "world_size": world + 1}}), 400, "init_info.master_address"),
+        (post(base_url, "collective_rpc", json={"method": "reset_weights"}), 403, "arbitrary methods"),
+    ]
+    for resp, status, needle in cases:
+        assert resp.status_code == status and needle in resp.text, (resp.status_code, resp.text)
+    after = sync_status(routes)
+    assert after["committed_version"] == before["committed_version"]
+    assert {r: v["version"] for r, v in after["replicas"].items()} == {r: v["version"] for r, v in before["replicas"].items()}
+    assert after["recent_rounds"] == before["recent_rounds"], "no round was opened"
+
+
+async def test_a_trainer_written_for_vllm_serve_publishes_to_every_replica_through_the_routes(
+    two_replicas, routes, handle_client, policy_v2, reference_v2
+):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from rollout.sync.backends.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+
+    committed = sync_status(routes)["committed_version"]
+    # The async-GRPO order: pause (keep) → init → start → update while broadcasting → finish → resume.
+    await asyncio.to_thread(routes.pause, "keep")
+    assert routes._request("GET", "is_paused") == {"is_paused": True}
+    held = asyncio.ensure_future(handle_client.generate([greedy(PROMPTS[0], 8, "held")]))
+    await asyncio.sleep(3.0)
+    assert not held.done(), "a request sent while paused is held"
+
+    world = await asyncio.to_thread(routes.get_world_size)
+    info = GlooTrainerInitInfo(master_address=own_address(), master_port=free_port(), world_size=1 + world, rank=0, timeout_s=30, bucket_bytes=1 << 16)
+    source = ModuleSource(policy_v2[0])
+    engine = await asyncio.to_thread(GlooTrainerWeightTransferEngine.trainer_init, info, client=routes, source=source)
+    with pytest.raises(requests.HTTPError, match="409.*call /start_weight_update first"):
+        await asyncio.to_thread(routes.update_weights, {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]})
+    await asyncio.to_thread(engine.send_weights)  # /start_weight_update, /update_weights + broadcast, /finish_weight_update
+    status = sync_status(routes)
+    version = committed + 1
+    assert status["committed_version"] == version, status
+    assert len(status["replicas"]) == 2 and all(r["version"] == version for r in status["replicas"].values()), status
+    assert status["weight_copy_version"] == version, "the coordinator's copy took the broadcast too"
+    assert routes.weight_version() == str(version)
+    assert not held.done(), "still paused until /resume"
+
+    await asyncio.to_thread(routes.resume)
+    (result,) = await asyncio.wait_for(held, 120)
+    assert [s.version for s in result.samples[0].weight_versions] == [str(version)], "generated only after the update"
+    # Both replicas serve exactly the published weights.
+    expected = ray.get(reference_v2.greedy.remote(PROMPTS, 16, ignore_eos=True))
+    seen = set()
+    for k in range(6):
+        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"routes-{k}-{i}")]) for i, p in enumerate(PROMPTS)))
+        for (r,), want in zip(results, expected):
+            assert r.samples[0].token_ids == want
+            seen.add(r.replica_id)
+    assert len(seen) == 2, f"requests reached only {seen}"
+
+    # The session's group serves the next round too (vLLM's trainer engine keeps it).
+    await asyncio.to_thread(engine.send_weights)
+    assert sync_status(routes)["committed_version"] == version + 1
+    engine.shutdown()
+
+
+async def test_a_replica_added_after_a_route_publish_serves_the_committed_version_before_its_first_request(
+    two_replicas, routes, handle_client, reference_v2
+):
+    from rollout.app import deploy
+
+    version = sync_status(routes)["committed_version"]
+    await asyncio.to_thread(deploy, scaled(two_replicas, 3))
+    status = sync_status(routes)
+    assert len(status["replicas"]) == 3 and all(r["version"] == version for r in status["replicas"].values()), status
+    # The next start says the group no longer covers every replica.
+    resp = post(routes.base_url, "start_weight_update")
+    assert resp.status_code == 409 and "call /get_world_size and /init_weight_transfer_engine" in resp.text, resp.text
+    expected = ray.get(reference_v2.greedy.remote(PROMPTS, 16, ignore_eos=True))
+    seen = set()
+    for k in range(8):
+        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"added-{k}-{i}")]) for i, p in enumerate(PROMPTS)))
+        for (r,), want in zip(results, expected):
+            assert r.samples[0].token_ids == want
+            assert r.samples[0].weight_versions[0].version == str(version)
+            seen.add(r.replica_id)
+    assert len(seen) == 3, f"requests reached only {seen}"
