@@ -132,3 +132,34 @@ async def test_with_gloo_a_late_engine_call_is_an_ordinary_failure_the_replica_r
     assert await asyncio.wait_for(agent._apply(plan), 10) is False
     assert agent.broken is None
     assert [c[0] for c in engine.calls][-2:] == ["update_weights", "finish_weight_update"]
+
+
+async def test_a_round_under_a_trainers_pause_resets_the_prefix_cache_and_keeps_the_hold(model_dir):
+    """vLLM's RL routes, coordinator and agent in one process: a trainer's /pause (keep,
+    no cache clearing) must not let prefixes cached under the old weights survive an update."""
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5}}, "nccl")
+    coordinator._token = None
+    engine = RecordingEngine()
+    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
+    await agent.start()
+    specs = checkpoint_spec(str(model_dir))
+    update = {"names": [p.name for p in specs], "dtype_names": [p.dtype for p in specs], "shapes": [list(p.shape) for p in specs]}
+    try:
+        await asyncio.wait_for(coordinator.pause(None, "keep", False), 5)
+        assert agent.held and engine.calls[-1] == ("pause_generation", "keep", False)
+        await asyncio.wait_for(coordinator.open_session(None, {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 2}), 5)
+        engine.calls.clear()
+        await asyncio.wait_for(coordinator.start_update(None), 5)
+        await asyncio.wait_for(coordinator.update(None, update), 5)
+        assert await asyncio.wait_for(coordinator.finish_update(None, None), 5) == 1
+        names = [c[0] for c in engine.calls]
+        assert ("pause_generation", "keep", True) in engine.calls, "the update must reset the prefix cache"
+        assert names.index("pause_generation") < names.index("start_weight_update") < names.index("update_weights") < names.index("finish_weight_update")
+        assert "resume_generation" not in names, "the trainer's hold lasts until /resume"
+        await asyncio.wait_for(coordinator.resume(None), 5)
+        assert engine.calls[-1] == ("resume_generation",) and agent.version == 1
+    finally:
+        agent.stop()

@@ -17,6 +17,10 @@ from tests.test_weight_sync_e2e import PROMPTS, greedy, perturbed_policy, save_p
 
 pytestmark = pytest.mark.e2e
 
+# Long enough to fill whole KV blocks: served before an update, its cached prefix must
+# not be reused after it (a pause held by /pause must still reset the prefix cache).
+LONG = [(i * 37) % 1000 + 5 for i in range(300)]
+
 
 def scaled(platform, n):
     return platform.model_copy(update={"deployment": platform.deployment.model_copy(update={"replicas": n})})
@@ -95,6 +99,8 @@ async def test_a_trainer_written_for_vllm_serve_publishes_to_every_replica_throu
     from rollout.sync.backends.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
     committed = sync_status(routes)["committed_version"]
+    for k in range(4):  # cache LONG's prefix under the old weights, on both replicas
+        await handle_client.generate([greedy(LONG, 4, f"long-before-{k}")])
     # The async-GRPO order: pause (keep) → init → start → update while broadcasting → finish → resume.
     await asyncio.to_thread(routes.pause, "keep")
     assert routes._request("GET", "is_paused") == {"is_paused": True}
@@ -121,10 +127,11 @@ async def test_a_trainer_written_for_vllm_serve_publishes_to_every_replica_throu
     (result,) = await asyncio.wait_for(held, 120)
     assert [s.version for s in result.samples[0].weight_versions] == [str(version)], "generated only after the update"
     # Both replicas serve exactly the published weights.
-    expected = ray.get(reference_v2.greedy.remote(PROMPTS, 16, ignore_eos=True))
+    prompts = [*PROMPTS, LONG]
+    expected = ray.get(reference_v2.greedy.remote(prompts, 16, ignore_eos=True))
     seen = set()
     for k in range(6):
-        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"routes-{k}-{i}")]) for i, p in enumerate(PROMPTS)))
+        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"routes-{k}-{i}")]) for i, p in enumerate(prompts)))
         for (r,), want in zip(results, expected):
             assert r.samples[0].token_ids == want
             seen.add(r.replica_id)

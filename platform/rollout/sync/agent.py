@@ -214,9 +214,12 @@ class SyncAgent:
         started = False
         consistent = False
         wedged = False
-        if not self.held:  # a trainer's /pause holds it already (pausing again could abort what it keeps)
-            async with clock("pause"):
-                await asyncio.wait_for(self.engine.pause_generation(mode=plan.pause_mode, clear_cache=True), t)
+        async with clock("pause"):
+            # Under a trainer's /pause, pause again in "keep": it aborts nothing the hold keeps
+            # (requests sent meanwhile included) and still resets the prefix cache, so no KV
+            # computed under the old weights is reused after the update.
+            mode = "keep" if self.held else plan.pause_mode
+            await asyncio.wait_for(self.engine.pause_generation(mode=mode, clear_cache=True), t)
         try:
             try:
                 if plan.checkpoint is not None:
