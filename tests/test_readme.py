@@ -24,7 +24,7 @@ def test_readme_gpu_section_is_generated_from_the_committed_results():
 
     text = README.read_text()
     block = text[text.index(gpu_report.BEGIN) : text.index(gpu_report.END) + len(gpu_report.END)]
-    assert block == gpu_report.render_file(gpu_report.latest_results()), "README is stale: run `rollout gpu-report --readme README.md`"
+    assert block == gpu_report.render_files(gpu_report.all_results()), "README is stale: run `rollout gpu-report --readme README.md`"
 
 
 def test_gpu_report_says_what_did_not_pass_and_why():
@@ -39,8 +39,21 @@ def test_gpu_report_says_what_did_not_pass_and_why():
             "test_contiguous_gpu_parameters_are_shared_in_place_without_a_copy": {"outcome": "passed", "metrics": {}},
         },
     }
-    text = render(results, "docs/gpu/x.json")
+    text = render([(results, "docs/gpu/x.json")])
     assert "2x H100: vLLM 0.32.0" in text
     assert "| **failed**: AssertionError: prompt 0 differs |" in text
     assert "| **not run** |" in text
     assert "1 of 1 passed" in text
+
+
+def test_gpu_report_shows_where_a_check_that_failed_last_passed_before():
+    from rollout.gpu_report import render
+
+    tp = "test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_gloo_publish"
+    env = {"vllm": "0.32.0", "gpus": ["H100", "H100"]}
+    newest = {"started": "2026-11-27T10:00:00Z", "environment": env, "checks": {tp: {"outcome": "failed", "error": "SystemExit: 1", "metrics": {}}}}
+    older = {"started": "2026-11-26T10:00:00Z", "environment": env, "checks": {tp: {"outcome": "passed", "metrics": {"replica_start_s": 97.5}}}}
+    text = render([(newest, "new.json"), (older, "old.json")])
+    assert "Newest run: 2026-11-27 10:00 UTC" in text and "Earlier: 2026-11-26 10:00 UTC" in text
+    (row,) = [line for line in text.splitlines() if "TP=2" in line]
+    assert "**failed**: SystemExit: 1" in row and "Last passed 2026-11-26 10:00 UTC (`old.json`): replica start 97.5 s" in row

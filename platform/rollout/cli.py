@@ -93,13 +93,13 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _gpu_report(args: argparse.Namespace) -> int:
-    from rollout.gpu_report import latest_results, render_file, update_readme
+    from rollout.gpu_report import all_results, render_files, update_readme
 
-    results = Path(args.results) if args.results else latest_results()
+    results = [Path(p) for p in args.results] if args.results else all_results()
     if args.readme:
-        print(f"{args.readme}: {'updated' if update_readme(Path(args.readme), results) else 'up to date'} from {results}")
+        print(f"{args.readme}: {'updated' if update_readme(Path(args.readme), results) else 'up to date'} from {', '.join(map(str, results))}")
     else:
-        print(render_file(results))
+        print(render_files(results))
     return 0
 
 
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--name", default="rollout", help="name of the RayService (with --kube)")
     st.set_defaults(func=_status)
 
-    g = sub.add_parser("gpu-report", help="render the README's 'Verified on GPU' section from a GPU check's results file")
-    g.add_argument("--results", default=None, help="results JSON (default: the newest docs/gpu/results-*.json)")
+    g = sub.add_parser("gpu-report", help="render the README's 'Verified on GPU' section from the GPU checks' results files")
+    g.add_argument("--results", nargs="+", default=None, help="results JSON files, newest first (default: every docs/gpu/results-*.json)")
     g.add_argument("--readme", default=None, help="rewrite the section in this README instead of printing it")
     g.set_defaults(func=_gpu_report)
 

@@ -1,9 +1,10 @@
-"""The README's "Verified on GPU" section, rendered from a GPU check's results file.
+"""The README's "Verified on GPU" section, rendered from the GPU checks' results files.
 
 ``tests/gpu/check.sh run`` writes the results (every GPU test's outcome and numbers, with
-the versions and GPUs it ran on); the committed copies live in ``docs/gpu/``. Nothing in
-the section is typed by hand: ``rollout gpu-report --readme README.md`` rewrites it, and a
-test fails when it is stale.
+the versions and GPUs it ran on); the committed copies live in ``docs/gpu/``, named after
+the commit they ran at. The table shows the newest run; a check that did not pass there
+also shows the last older run where it passed. Nothing in the section is typed by hand:
+``rollout gpu-report --readme README.md`` rewrites it, and a test fails when it is stale.
 """
 
 from __future__ import annotations
@@ -74,7 +75,17 @@ def _tp(m: dict[str, Any]) -> str:
 def _killed(m: dict[str, Any]) -> str:
     if not m:
         return ""
-    return f"recovered {m.get('recovered')} in {m.get('recovery_s')} s (sync timeout {m.get('sync_timeout_s')} s); last outcome {m.get('last_outcome')}"
+    outcome = m.get("last_outcome") or {}
+    decided = "committed" if outcome.get("committed") else f"aborted ({outcome.get('error')}), replicas on version {outcome.get('version')}"
+    return f"every replica back on the committed version: {m.get('recovered')}, {m.get('recovery_s')} s after the kill (sync timeout {m.get('sync_timeout_s')} s); the round {decided}"
+
+
+def _routes(m: dict[str, Any]) -> str:
+    return (
+        f"/init_weight_transfer_engine (world size {m.get('world_size')} + trainer) {m.get('init_s')} s; rounds "
+        f"(/start_weight_update → /update_weights + broadcast → /finish_weight_update) {m.get('round_s')} s; "
+        f"versions {m.get('versions')}; greedy {m.get('greedy')}"
+    )
 
 
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
@@ -103,6 +114,10 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         "6. A trainer killed mid-publish leaves every replica on the committed version",
         _killed,
     ),
+    "test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through_the_routes": (
+        "7. vLLM's RL routes over NCCL: vLLM's own trainer engine and HTTP client update every replica",
+        _routes,
+    ),
 }
 
 
@@ -114,24 +129,34 @@ def _outcome(entry: dict[str, Any]) -> str:
     return f"**{outcome}**" + (f": {detail.splitlines()[0]}" if detail else "")
 
 
-def render(results: dict[str, Any], source: str) -> str:
+def _header(results: dict[str, Any], source: str) -> str:
     env = results["environment"]
     gpus = env.get("gpus") or []
     gpu_text = f"{len(gpus)}x {gpus[0]}" if gpus and len(set(gpus)) == 1 else ", ".join(gpus) or "no GPU"
-    checks = results["checks"]
-    lines = [
-        BEGIN,
-        f"Verified on {results['started'][:10]} on {gpu_text}: vLLM {env.get('vllm')}, torch {env.get('torch')} "
+    return (
+        f"{results['started'][:16].replace('T', ' ')} UTC on {gpu_text}: vLLM {env.get('vllm')}, torch {env.get('torch')} "
         f"(CUDA {env.get('cuda')}), Ray {env.get('ray')}, transformers {env.get('transformers')}, Python {env.get('python')}; "
-        f"results file `{source}`.",
-        "",
-        "| check | outcome | numbers |",
-        "|---|---|---|",
-    ]
+        f"`{source}`"
+    )
+
+
+def render(runs: list[tuple[dict[str, Any], str]]) -> str:
+    """``runs``: (results, source) pairs, newest first."""
+    (results, source), older = runs[0], runs[1:]
+    checks = results["checks"]
+    lines = [BEGIN, f"Newest run: {_header(results, source)}."]
+    lines += [f"Earlier: {_header(r, s)}." for r, s in older]
+    lines += ["", "| check | outcome (newest run) | numbers |", "|---|---|---|"]
     for name, (title, summary) in CHECKS.items():
-        if name in checks:
-            numbers = summary(checks[name].get("metrics") or {})
-            lines.append(f"| {title} | {_outcome(checks[name])} | {numbers} |")
+        if name not in checks:
+            continue
+        cell = summary(checks[name].get("metrics") or {})
+        if checks[name].get("outcome") != "passed":
+            passed = next(((r, s) for r, s in older if r["checks"].get(name, {}).get("outcome") == "passed"), None)
+            if passed is not None:
+                r, s = passed
+                cell += f"<br>Last passed {r['started'][:16].replace('T', ' ')} UTC (`{s}`): {summary(r['checks'][name].get('metrics') or {})}"
+        lines.append(f"| {title} | {_outcome(checks[name])} | {cell} |")
     others = {k: v for k, v in checks.items() if k not in CHECKS}
     if others:
         passed = sum(v.get("outcome") == "passed" for v in others.values())
@@ -141,23 +166,32 @@ def render(results: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
-def latest_results(directory: Path = RESULTS_DIR) -> Path:
-    files = sorted(directory.glob("results-*.json"), key=lambda p: json.loads(p.read_text())["started"])
+def all_results(directory: Path = RESULTS_DIR) -> list[Path]:
+    """Every committed results file, newest first."""
+    files = sorted(directory.glob("results-*.json"), key=lambda p: json.loads(p.read_text())["started"], reverse=True)
     if not files:
         raise FileNotFoundError(f"no results-*.json in {directory}: run tests/gpu/check.sh on a GPU machine first")
-    return files[-1]
+    return files
 
 
-def render_file(path: Path, root: Path = RESULTS_DIR.parents[1]) -> str:
-    source = path.resolve().relative_to(root.resolve()) if path.resolve().is_relative_to(root.resolve()) else path
-    return render(json.loads(path.read_text()), str(source))
+def latest_results(directory: Path = RESULTS_DIR) -> Path:
+    return all_results(directory)[0]
 
 
-def update_readme(readme: Path, results: Path) -> bool:
-    """Rewrite the section of ``readme``; return True when it changed."""
+def _source(path: Path, root: Path = RESULTS_DIR.parents[1]) -> str:
+    return str(path.resolve().relative_to(root.resolve())) if path.resolve().is_relative_to(root.resolve()) else str(path)
+
+
+def render_files(paths: list[Path]) -> str:
+    """``paths`` newest first (see :func:`all_results`)."""
+    return render([(json.loads(p.read_text()), _source(p)) for p in paths])
+
+
+def update_readme(readme: Path, results: list[Path]) -> bool:
+    """Rewrite the section of ``readme`` from ``results`` (newest first); return True when it changed."""
     text = readme.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    new = text[:start] + render_file(results) + text[end:]
+    new = text[:start] + render_files(results) + text[end:]
     if new != text:
         readme.write_text(new)
         return True

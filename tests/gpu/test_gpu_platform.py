@@ -688,7 +688,9 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
 
     from rollout.sync import WeightPublisher
 
-    cfg = platform_cfg("gpu-tp", "gloo", tensor_parallel_size=2)
+    # Eager on both sides: TP correctness needs no CUDA graphs, and on a fresh machine
+    # (cold compile cache) compiling the TP=2 graphs took 250 s of the machine's stay.
+    cfg = platform_cfg("gpu-tp", "gloo", tensor_parallel_size=2, enforce_eager=True)
     record(replica_start_s=round(deploy(cfg), 1))
     client = RolloutClientFor(cfg.app_name)
     reference, start_s = start_engine("0,1", cfg.model.model_dump(mode="json"))
