@@ -93,6 +93,8 @@ def platform_config(model_dir, tmp_path_factory):
         http={"port": free_port(), "api_key_file": str(key_file), "host": "127.0.0.1"},
         metrics={"port": METRICS_PORT},
         limits={"max_n": MAX_N},
+        # vLLM parses tool calls (named tool_choice included) only with auto tool choice on; the reference `vllm serve` gets the same.
+        openai={"tool_call_parser": "hermes", "enable_auto_tool_choice": True},
         # Short deadline so fault tests end quickly.
         sync={"timeout_s": 10, "bucket_bytes": 1 << 16},
     )

@@ -119,3 +119,36 @@ def test_update_info_and_versions_are_checked_naming_the_field():
         parse_version("3", 3)
     with pytest.raises(InvalidRequestError, match="weight_version"):
         parse_version("v3", 3)
+
+
+async def test_a_pause_some_replica_cannot_apply_fails_and_leaves_nothing_paused():
+    c, members = await two_members()
+    c.poll_s = 0.1  # a replica that went silent is dropped after 0.3 s
+    pause = asyncio.create_task(c.pause(None, "keep", False))
+
+    async def a_applies():
+        while not pause.done():
+            await c.next_round("a", 0, Control(paused="keep"))
+
+    async def b_keeps_failing():  # b polls, but its engine never pauses
+        while not pause.done():
+            await c.next_round("b", 0, Control())  # answered at once: the control differs
+            await asyncio.sleep(0.02)
+
+    await asyncio.gather(a_applies(), b_keeps_failing(), return_exceptions=True)
+    with pytest.raises(SyncError, match=r"\['b'\] did not apply.*nothing changed"):
+        await pause
+    assert c.control == Control() and not await c.paused(None)
+    assert await c.next_round("a", 0, Control(paused="keep")) == Control(), "a is told to resume"
+
+
+async def test_a_replica_that_went_away_does_not_fail_a_pause():
+    c, members = await two_members()
+    c.poll_s = 0.1
+    pause = asyncio.create_task(c.pause(None, "keep", False))
+    await members[0].poll()
+    c.replicas["a"].control = Control(paused="keep")  # b never polls again: it was scaled down
+    while not pause.done():
+        await c.next_round("a", 0, Control(paused="keep"))
+    await pause
+    assert list(c.replicas) == ["a"]

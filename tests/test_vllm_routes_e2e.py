@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import ray
 import requests
 
 from rollout.sync.net import free_port, own_address
 from tests.conftest import API_KEY, SYNC_TOKEN
-from tests.test_weight_sync_e2e import PROMPTS, greedy, perturbed_policy, save_policy
+from tests.test_weight_sync_e2e import PROMPTS, assert_every_replica_serves, greedy, reference_engine, saved_policy
 
 pytestmark = pytest.mark.e2e
 
@@ -43,16 +42,12 @@ def routes(base_url):
 
 @pytest.fixture(scope="module")
 def policy_v2(model_dir, tmp_path_factory):
-    model = perturbed_policy(model_dir, seed=2)
-    return model, save_policy(model, model_dir, tmp_path_factory.mktemp("policy-v2"))
+    return saved_policy(model_dir, tmp_path_factory, seed=2)
 
 
 @pytest.fixture(scope="module")
 def reference_v2(ray_cluster, policy_v2):
-    from tests.conftest import KV_BYTES, MAX_MODEL_LEN
-    from tests.reference import ReferenceLLM
-
-    return ReferenceLLM.remote(str(policy_v2[1]), MAX_MODEL_LEN, KV_BYTES)
+    return reference_engine(policy_v2[1])
 
 
 def sync_status(routes):
@@ -127,15 +122,7 @@ async def test_a_trainer_written_for_vllm_serve_publishes_to_every_replica_throu
     (result,) = await asyncio.wait_for(held, 120)
     assert [s.version for s in result.samples[0].weight_versions] == [str(version)], "generated only after the update"
     # Both replicas serve exactly the published weights.
-    prompts = [*PROMPTS, LONG]
-    expected = ray.get(reference_v2.greedy.remote(prompts, 16, ignore_eos=True))
-    seen = set()
-    for k in range(6):
-        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"routes-{k}-{i}")]) for i, p in enumerate(prompts)))
-        for (r,), want in zip(results, expected):
-            assert r.samples[0].token_ids == want
-            seen.add(r.replica_id)
-    assert len(seen) == 2, f"requests reached only {seen}"
+    await assert_every_replica_serves(handle_client, reference_v2, replicas=2, prompts=[*PROMPTS, LONG], version=version, rounds=6)
 
     # The session's group serves the next round too (vLLM's trainer engine keeps it).
     await asyncio.to_thread(engine.send_weights)
@@ -155,12 +142,23 @@ async def test_a_replica_added_after_a_route_publish_serves_the_committed_versio
     # The next start says the group no longer covers every replica.
     resp = post(routes.base_url, "start_weight_update")
     assert resp.status_code == 409 and "call /get_world_size and /init_weight_transfer_engine" in resp.text, resp.text
-    expected = ray.get(reference_v2.greedy.remote(PROMPTS, 16, ignore_eos=True))
-    seen = set()
-    for k in range(8):
-        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"added-{k}-{i}")]) for i, p in enumerate(PROMPTS)))
-        for (r,), want in zip(results, expected):
-            assert r.samples[0].token_ids == want
-            assert r.samples[0].weight_versions[0].version == str(version)
-            seen.add(r.replica_id)
-    assert len(seen) == 3, f"requests reached only {seen}"
+    await assert_every_replica_serves(handle_client, reference_v2, replicas=3, version=version)
+
+
+async def test_openai_requests_with_one_session_id_land_on_one_replica(two_replicas, base_url):
+    """Agent frameworks send X-Session-ID with every turn of a conversation."""
+    from tests.conftest import API_KEY
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": two_replicas.model.name, "messages": [{"role": "user", "content": "turn"}], "max_tokens": 2}
+    by_session = {}
+    for session in [f"session-{i}" for i in range(8)]:
+        replicas = set()
+        for turn in range(3):
+            body["messages"][0]["content"] = f"turn {turn} of {session}"  # a different prefix every turn
+            r = requests.post(f"{base_url}/v1/chat/completions", json=body, headers={**headers, "X-Session-ID": session}, timeout=60)
+            assert r.status_code == 200, r.text
+            replicas.add(r.headers["x-rollout-replica"])
+        assert len(replicas) == 1, f"session {session} spread over {replicas}"
+        by_session[session] = replicas.pop()
+    assert len(set(by_session.values())) > 1, f"every session went to one replica: {by_session}"

@@ -51,17 +51,42 @@ def publisher(platform):
     return WeightPublisher.connect(app_name=platform.app_name, token=SYNC_TOKEN)
 
 
+def saved_policy(model_dir, tmp_path_factory, seed: int):
+    """A perturbed policy (the 'trained' weights) and its checkpoint directory."""
+    model = perturbed_policy(model_dir, seed=seed)
+    return model, save_policy(model, model_dir, tmp_path_factory.mktemp(f"policy-seed{seed}"))
+
+
+def reference_engine(checkpoint):
+    """A fresh engine loaded with ``checkpoint``: what every replica must answer like."""
+    from tests.reference import ReferenceLLM
+
+    return ReferenceLLM.remote(str(checkpoint), MAX_MODEL_LEN, KV_BYTES)
+
+
+async def assert_every_replica_serves(handle_client, reference, replicas: int, prompts=PROMPTS, version=None, rounds: int = 8):
+    """Greedy from every replica equals ``reference``'s (and carries ``version``)."""
+    expected = ray.get(reference.greedy.remote(prompts, 16, ignore_eos=True))
+    seen = set()
+    for k in range(rounds):
+        # Separate calls with distinct sessions, so the affinity router spreads them over every replica.
+        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"every-{k}-{i}")]) for i, p in enumerate(prompts)))
+        for (r,), want in zip(results, expected):
+            assert r.samples[0].token_ids == want
+            if version is not None:
+                assert r.samples[0].weight_versions[0].version == str(version)
+            seen.add(r.replica_id)
+    assert len(seen) == replicas, f"requests reached only {seen}"
+
+
 @pytest.fixture(scope="module")
 def policy_v1(model_dir, tmp_path_factory):
-    model = perturbed_policy(model_dir, seed=1)
-    return model, save_policy(model, model_dir, tmp_path_factory.mktemp("policy-v1"))
+    return saved_policy(model_dir, tmp_path_factory, seed=1)
 
 
 @pytest.fixture(scope="module")
 def reference_v1(ray_cluster, policy_v1):
-    from tests.reference import ReferenceLLM
-
-    return ReferenceLLM.remote(str(policy_v1[1]), MAX_MODEL_LEN, KV_BYTES)
+    return reference_engine(policy_v1[1])
 
 
 async def test_bad_publishes_are_rejected_before_any_replica_changes(publisher, policy_v1, handle_client, platform):
@@ -278,17 +303,7 @@ async def test_a_replica_added_later_serves_the_committed_version_before_its_fir
     assert all(r["version"] == version for r in status["replicas"].values()), status
     new_rounds = status["recent_rounds"][rounds_before:]
     assert new_rounds and all(r["round_id"].startswith("restore-") for r in new_rounds), new_rounds
-    # Separate calls so the router spreads them; every replica must answer like v1.
-    expected = ray.get(reference_v1.greedy.remote(PROMPTS, 16, ignore_eos=True))
-    seen = set()
-    for k in range(8):
-        # Distinct sessions, so the affinity router spreads the calls over every replica.
-        results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"s{k}-{i}")]) for i, p in enumerate(PROMPTS)))
-        for (r,), want in zip(results, expected):
-            assert r.samples[0].token_ids == want
-            assert r.samples[0].weight_versions[0].version == str(version)
-            seen.add(r.replica_id)
-    assert len(seen) == 3, f"requests reached only {seen}"
+    await assert_every_replica_serves(handle_client, reference_v1, replicas=3, version=version)
 
 
 async def test_a_rank_that_never_joins_ends_the_round_within_the_deadline_and_it_drops_out(

@@ -217,6 +217,25 @@ class HttpConfig(_Section):
         return None
 
 
+class OpenAIConfig(_Section):
+    """The OpenAI routes, served by vLLM's own OpenAI server on every replica: these are
+    `vllm serve`'s options, by their vLLM names (see vLLM's docs for the values)."""
+
+    tool_call_parser: Optional[str] = Field(default=None, description="vLLM's `--tool-call-parser` (e.g. `hermes`): parses tool calls out of chat completions.")
+    enable_auto_tool_choice: bool = Field(default=False, description="vLLM's `--enable-auto-tool-choice`: lets the model decide to call tools (`tool_choice: auto`); needs `tool_call_parser`.")
+    reasoning_parser: Optional[str] = Field(default=None, description="vLLM's `--reasoning-parser` (e.g. `deepseek_r1`): splits reasoning content out of chat completions.")
+    chat_template: Optional[str] = Field(default=None, description="vLLM's `--chat-template`: a template file or string replacing the tokenizer's.")
+    chat_template_content_format: Optional[Literal["auto", "string", "openai"]] = Field(
+        default=None, description="vLLM's `--chat-template-content-format` (default `auto`)."
+    )
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> "OpenAIConfig":
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (vLLM refuses to start without one)")
+        return self
+
+
 class MetricsConfig(_Section):
     """Prometheus metrics."""
 
@@ -268,6 +287,7 @@ class PlatformConfig(_Section):
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
+    openai: OpenAIConfig = Field(default_factory=OpenAIConfig, description="The OpenAI routes (vLLM's own server on every replica).")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
 

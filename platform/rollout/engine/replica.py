@@ -93,6 +93,10 @@ class RolloutEngine:
             # Registration (and catch-up) happen before __init__ returns, so Serve
             # routes no request here until this replica holds the committed version.
             await self.sync.start()
+        from rollout.engine.openai_app import build_openai_app, serve_argv
+
+        # vLLM's own OpenAI server over this engine, with `vllm serve`'s arguments for it.
+        self.openai_app = await build_openai_app(self.engine, serve_argv(self.config.model, self.config.openai, engine_kwargs(self.config.model, device)))
         self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges()) if self.metrics is not None else None
         logger.info("replica %s ready: %s, limits %s", self.replica_id, self.config.model.path, self.limits)
 
@@ -264,6 +268,41 @@ class RolloutEngine:
             raise
         finally:
             self.inflight -= 1
+
+    async def openai_http(self, route_hint: dict, request: Any) -> AsyncIterator[Any]:
+        """An OpenAI route through vLLM's own server: ``{"status", "headers"}``, then the
+        body's chunks. ``route_hint`` is for the router (session, prompt prefix) only.
+
+        The ``X-Rollout-Weight-Version`` header names the version this replica served when
+        the response started; a non-streaming response that spans a weight update says
+        ``<first>-<last>``. ``X-Rollout-Replica`` names the replica.
+        """
+        from rollout.engine.openai_app import call_asgi
+
+        self._raise_if_dead()
+        self._enter(1)
+        first = self._weight_version_label()
+        try:
+            parts = call_asgi(self.openai_app, request)
+            start = await parts.__anext__()
+            body = []
+            streaming = any(k.lower() == "content-type" and "event-stream" in v for k, v in start["headers"])
+            if streaming:
+                yield self._with_version(start, first)
+                async for chunk in parts:
+                    yield chunk
+                return
+            async for chunk in parts:
+                body.append(chunk)
+            last = self._weight_version_label()
+            yield self._with_version(start, first if first == last else f"{first}-{last}")
+            yield b"".join(body)
+        finally:
+            self.inflight -= 1
+
+    def _with_version(self, start: dict, version: str) -> dict:
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != "content-length"]
+        return {"status": start["status"], "headers": headers + [("x-rollout-weight-version", version), ("x-rollout-replica", self.replica_id)]}
 
     def _enter(self, n: int) -> None:
         if self.inflight == 0:

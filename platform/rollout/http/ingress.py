@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import uuid
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 
 from rollout.api import RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
@@ -21,15 +18,16 @@ from rollout.errors import (
     AuthenticationError,
     EngineUnavailableError,
     InvalidRequestError,
-    from_validation_error,
     loc_to_field,
     unwrap_remote,
 )
-from rollout.http import openai_compat as oai
+from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.sync.protocol import SyncError
 from rollout.sync.remote import OUTCOME, PLAN, SYNC_TOKEN_HEADER, BeginRoundBody, FinishBody
 
 logger = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Session-ID"  # what agent frameworks send to keep a conversation on one replica
 
 from rollout.http.routes_app import app  # noqa: E402  (the routes below and in rl_routes share it)
 from rollout.http.rl_routes import VllmRlRoutes  # noqa: E402
@@ -95,18 +93,6 @@ def require_key(request: Request) -> None:
     check(request)
 
 
-def _to_rollout(req: Any) -> RolloutRequest:
-    try:
-        return req.to_rollout()
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-
-
-def _check_model(name: Optional[str], served: str) -> None:
-    if name is not None and name != served:
-        raise InvalidRequestError("model", f"unknown model {name!r}; this service serves {served!r}")
-
-
 async def _first_then_rest(agen: AsyncIterator[RolloutChunk]) -> tuple[RolloutChunk, AsyncIterator[RolloutChunk]]:
     # Pull the first chunk before answering, so validation errors become a 4xx rather
     # than a 200 stream that breaks off.
@@ -124,6 +110,7 @@ async def _first_then_rest(agen: AsyncIterator[RolloutChunk]) -> tuple[RolloutCh
 class HttpIngress(VllmRlRoutes):
     def __init__(self, engine_handle, config: dict[str, Any], coordinator_handle=None):
         self.config = PlatformConfig.model_validate(config)
+        self.engine_handle = engine_handle
         self.engine = HandleTransport(engine_handle, self.config.deployment.client_batch_size)
         self.coordinator = coordinator_handle
         self.model_name = self.config.model.name
@@ -140,10 +127,6 @@ class HttpIngress(VllmRlRoutes):
             raise EngineUnavailableError(f"no healthy engine replica: {e}") from None
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
-    async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "rollout"}]}
-
     @app.post("/v1/rollouts", dependencies=[Depends(require_key)])
     async def rollouts(self, batch: RolloutBatch) -> RolloutBatchResult:
         return RolloutBatchResult(results=await self.engine.generate(batch.requests))
@@ -158,29 +141,51 @@ class HttpIngress(VllmRlRoutes):
 
         return StreamingResponse(ndjson(), media_type="application/x-ndjson")
 
-    async def _openai(self, req: Any, chat: bool):
-        _check_model(req.model, self.model_name)
-        rollout = _to_rollout(req)
-        if not req.stream:
-            (result,) = await self.engine.generate([rollout])
-            return (oai.chat_response if chat else oai.completion_response)(result, self.model_name)
-        stream_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        _, chunks = await _first_then_rest(self.engine.stream(rollout))
+    # ---- the OpenAI routes: vLLM's own server on the replica the router picks ----------
 
-        async def sse():
-            async for c in chunks:
-                yield f"data: {json.dumps(oai.stream_event(c, self.model_name, chat, stream_id))}\n\n"
-            yield "data: [DONE]\n\n"
+    async def _forward(self, request: Request) -> StreamingResponse:
+        body = await request.body()
+        root = request.scope.get("root_path", "")
+        path = request.url.path[len(root):] if root and request.url.path.startswith(root) else request.url.path
+        # Our credentials stay here: the replica's vLLM server runs without a key of its own.
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in ("authorization", "host", SYNC_TOKEN_HEADER.lower()))
+        forwarded = ForwardedRequest(request.method, path, request.url.query, headers, body)
+        hint = routing_hint(path, body, request.headers.get(SESSION_HEADER))
+        parts = self.engine_handle.options(stream=True).openai_http.remote(hint, forwarded)
+        try:
+            start = await parts.__anext__()
+        except Exception as e:
+            raise unwrap_remote(e) from None
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        async def rest():
+            async for chunk in parts:
+                yield chunk
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)])
-    async def completions(self, req: oai.CompletionRequest):
-        return await self._openai(req, chat=False)
+        return StreamingResponse(rest(), status_code=start["status"], headers=dict(start["headers"]))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
-    async def chat_completions(self, req: oai.ChatCompletionRequest):
-        return await self._openai(req, chat=True)
+    @app.post("/v1/completions", dependencies=[Depends(require_key)], include_in_schema=False)
+    async def openai_completions(self, request: Request):
+        return await self._forward(request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], include_in_schema=False)
+    async def openai_chat_completions(self, request: Request):
+        return await self._forward(request)
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)], include_in_schema=False)
+    async def openai_models(self, request: Request):
+        return await self._forward(request)
+
+    @app.post("/tokenize", dependencies=[Depends(require_key)], include_in_schema=False)
+    async def openai_tokenize(self, request: Request):
+        return await self._forward(request)
+
+    @app.post("/detokenize", dependencies=[Depends(require_key)], include_in_schema=False)
+    async def openai_detokenize(self, request: Request):
+        return await self._forward(request)
+
+    @app.post("/inference/v1/generate", dependencies=[Depends(require_key)], include_in_schema=False)
+    async def openai_generate(self, request: Request):
+        return await self._forward(request)
 
     # ---- weight sync control plane (tensors travel over the round's transfer group) ----
 

@@ -132,14 +132,23 @@ class RouteSessions:
         return self.committed_version
 
     async def _set_control(self, c: Control) -> None:
-        """Returns once every live replica applied ``c`` (they poll at once: woken here)."""
-        self.control = c
-        for r in self.replicas.values():
-            r.wake.set()
-        timeout = self.config.sync.timeout_s
+        """Returns once every live replica applied ``c`` (they poll at once: woken here).
+        If some did not in time, the previous control is restored (replicas that applied
+        ``c`` undo it on their next poll) and the call fails: nothing is left half paused."""
+        previous, self.control = self.control, c
+        self._wake_all()
+        # Long enough for a replica that went away (scaled down, died) without a word to be
+        # dropped as silent (3 polls): waiting on it must not fail the call.
+        timeout = max(self.config.sync.timeout_s, 3 * self.poll_s) + self.poll_s
         if not await self._wait_until(lambda: all(r.control == c for r in self._live_replicas().values()), timeout):
             behind = sorted(rid for rid, r in self.replicas.items() if r.control != c)
-            raise SyncError(f"replicas {behind} did not apply {c} within {timeout}s (a round in progress holds them)")
+            self.control = previous
+            self._wake_all()
+            raise SyncError(f"replicas {behind} did not apply {c} within {timeout:.0f}s (a round in progress holds them); nothing changed")
+
+    def _wake_all(self) -> None:
+        for r in self.replicas.values():
+            r.wake.set()
 
     def _live_replicas(self) -> dict:
         self._live()
