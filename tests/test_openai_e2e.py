@@ -174,3 +174,19 @@ async def test_the_openai_routes_need_the_api_key(base_url, platform):
     async with httpx.AsyncClient(timeout=60) as http:
         r = await http.post(f"{base_url}/v1/chat/completions", json={"model": platform.model.name, "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 401
+
+
+async def test_an_agent_framework_runs_unchanged_against_the_platform(base_url, platform):
+    """The OpenAI Agents SDK (a stock agent framework from PyPI), through its own
+    chat-completions model class: a two-turn conversation kept on one replica."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)  # its tracing exports to OpenAI's servers
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+    settings = ModelSettings(max_tokens=8, temperature=0, include_usage=True, extra_headers={"X-Session-ID": "agent-conversation"})
+    agent = Agent(name="rollout", instructions="Answer briefly.", model=OpenAIChatCompletionsModel(model=platform.model.name, openai_client=client), model_settings=settings)
+    first = await Runner.run(agent, "hello")
+    second = await Runner.run(agent, first.to_input_list() + [{"role": "user", "content": "and again"}])
+    for result in (first, second):
+        assert isinstance(result.final_output, str)
+        assert 1 <= result.raw_responses[0].usage.output_tokens <= 8

@@ -6,6 +6,7 @@ gloo on CPU, two replicas. Runs after the weight-sync module (it changes the wei
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import requests
@@ -56,15 +57,23 @@ def sync_status(routes):
     return resp.json()
 
 
+def wait_for_world_size(routes, want: int, timeout_s: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (world := routes.get_world_size()) != want and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return world
+
+
 def post(base_url, path, token=SYNC_TOKEN, **kwargs):
     headers = {"X-Rollout-Sync-Token": token} if token else {}
     return requests.post(f"{base_url}/{path}", headers=headers, timeout=60, **kwargs)
 
 
 def test_bad_sequences_get_a_4xx_naming_the_problem_and_change_no_replica(two_replicas, base_url, routes):
-    before = sync_status(routes)
-    world = routes.get_world_size()
+    # A replica removed by the scale-down counts until the coordinator misses 3 of its polls.
+    world = wait_for_world_size(routes, 2 + 1)
     assert world == 2 + 1, "two replicas of one rank, plus the coordinator's copy"
+    before = sync_status(routes)
     cases = [
         (post(base_url, "start_weight_update", token=None), 401, "missing sync token"),
         (post(base_url, "start_weight_update", token="wrong"), 401, "wrong sync token"),
