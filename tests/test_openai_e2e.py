@@ -89,6 +89,23 @@ def comparable(obj):
     return obj
 
 
+def assembled(chunks: list[dict]) -> dict:
+    """A stream as its content: per choice the text, finish reason and logprobs, and the
+    usage. How tokens are grouped into chunks depends on timing (a slower reader gets
+    several tokens per chunk), not on the server."""
+    choices: dict[int, dict] = {}
+    usage = None
+    for chunk in chunks:
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            out = choices.setdefault(c["index"], {"text": "", "finish_reason": None, "tool_calls": []})
+            delta = c.get("delta") or {}
+            out["text"] += c.get("text") or delta.get("content") or ""
+            out["tool_calls"] += delta.get("tool_calls") or []
+            out["finish_reason"] = c.get("finish_reason") or out["finish_reason"]
+    return {"model": chunks[0]["model"], "object": chunks[0]["object"], "choices": choices, "usage": usage, "chunks_end_with_usage": chunks[-1].get("usage") is not None}
+
+
 async def both(ours, theirs, kind: str, **request):
     """The same request to the platform and to `vllm serve`, through the SDK."""
     results = []
@@ -96,8 +113,9 @@ async def both(ours, theirs, kind: str, **request):
         create = client.chat.completions.create if kind == "chat" else client.completions.create
         response = await create(**request)
         if request.get("stream"):
-            response = [chunk async for chunk in response]
-        results.append(comparable(response))
+            results.append(assembled([comparable(chunk) async for chunk in response]))
+        else:
+            results.append(comparable(response))
     return results
 
 
