@@ -46,7 +46,7 @@ class Session:
     plan: SessionPlan
     keeper_rank: Optional[int]
     joined: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
-    keeper_joined: Optional[bool] = None
+    keeper_joined: bool = False
     keeper_error: Optional[str] = None
 
     @property
@@ -140,7 +140,7 @@ class RouteSessions:
         # Long enough for a replica that went away (scaled down, died) without a word to be
         # dropped as silent (3 polls): waiting on it must not fail the call.
         timeout = max(self.config.sync.timeout_s, 3 * self.poll_s) + self.poll_s
-        if not await self._wait_until(lambda: all(r.control == c for r in self._live_replicas().values()), timeout):
+        if not await self._wait_until(lambda: all(self.replicas[rid].control == c for rid in self._live()), timeout):
             behind = sorted(rid for rid, r in self.replicas.items() if r.control != c)
             self.control = previous
             self._wake_all()
@@ -149,10 +149,6 @@ class RouteSessions:
     def _wake_all(self) -> None:
         for r in self.replicas.values():
             r.wake.set()
-
-    def _live_replicas(self) -> dict:
-        self._live()
-        return self.replicas
 
     # ---- the session: /get_world_size, /init_weight_transfer_engine ---------------------
 
@@ -203,7 +199,7 @@ class RouteSessions:
                 asyncio.get_running_loop().create_task(self._keeper_join(session))
             logger.info("opened %s: %d replicas join the trainer's group (world size %d)", plan.session_id, len(members), expected)
             done = await self._wait_until(
-                lambda: session.member_ids <= set(session.joined) and session.keeper_joined is not False and (keeper_rank is None or session.keeper_joined),
+                lambda: session.member_ids <= set(session.joined) and (keeper_rank is None or session.keeper_joined),
                 3 * plan.timeout_s,
                 stop=lambda: any(session.joined.values()) or session.keeper_error is not None,
             )
