@@ -88,6 +88,10 @@ def _routes(m: dict[str, Any]) -> str:
     )
 
 
+def _openai(m: dict[str, Any]) -> str:
+    return f"model `{m.get('model')}`; greedy {m.get('greedy')}; weight-version headers {m.get('weight_version_headers')}"
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -117,6 +121,10 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through_the_routes": (
         "7. vLLM's RL routes over NCCL: vLLM's own trainer engine and HTTP client update every replica",
         _routes,
+    ),
+    "test_the_openai_sdk_through_the_platform_gets_the_fresh_engines_greedy_tokens": (
+        "8. The OpenAI SDK's completions through the platform (vLLM's OpenAI layer) equal a fresh engine's greedy tokens",
+        _openai,
     ),
 }
 

@@ -77,7 +77,7 @@ run() {
     export PYTHONPATH="$WORK/project:$SITE" PYTHONUNBUFFERED=1
     export ROLLOUT_GPU_WORK="$WORK" ROLLOUT_GPU_MODEL="$WORK/model-1.5b" ROLLOUT_GPU_RESULTS="$RESULTS_DIR/results.json"
     # Checks not started by then are skipped (and say so), leaving time to bring the results back.
-    export ROLLOUT_GPU_DEADLINE=$(( $(date +%s) + budget - 240 ))
+    export ROLLOUT_GPU_DEADLINE=$(( $(date +%s) + budget - 180 ))
     for _ in $(seq 1 120); do [ -f "$WORK/models.done" ] && break; sleep 2; done
     [ -f "$WORK/models.done" ] || models
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$RESULTS_DIR/gpus.txt" 2>&1

@@ -5,7 +5,11 @@ Run by ``tests/gpu/check.sh`` on a lent machine with two GPUs (see the README, "
 on GPU"); skipped elsewhere. The checks run in file order and share one Ray cluster and
 the models the script built: a ~1.5B-parameter bf16 Qwen2-shaped model
 (``rollout.modelbuild`` preset ``1.5b``) and a perturbed copy of it saved as a checkpoint.
-Each check deploys the app it needs and deletes it, so the next one finds the GPUs free.
+The serving app (one NCCL replica) carries the checks from serving to catch-up in turn:
+serving, the OpenAI SDK, NCCL publishes, vLLM's RL routes, a trainer killed mid-publish,
+then scaling it to two replicas; one app deployed once saves the machine's time. The IPC
+and tensor-parallel checks deploy their own apps; each app is deleted before the next, so
+the next one finds the GPUs free.
 """
 
 from __future__ import annotations
@@ -136,6 +140,12 @@ def greedy(run, session: str | None = None) -> list[list[int]]:
     """Greedy tokens of every prompt, one request at a time: in bf16 the batch a request
     shares changes its numerics, so references are compared on the same (single) batches."""
     return [run(requests([p], session=session))[0] for p in PROMPTS]
+
+
+def RolloutClientFor(app: str):
+    from rollout.client import RolloutClient
+
+    return RolloutClient.connect(app_name=app)
 
 
 def on_platform(client):
@@ -326,6 +336,33 @@ def test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput(clus
     assert via_http == want, first_mismatch(via_http, want)
 
 
+# ---- OpenAI front door ---------------------------------------------------------
+
+
+def test_the_openai_sdk_through_the_platform_gets_the_fresh_engines_greedy_tokens(cluster, record):
+    """The stock OpenAI SDK against the platform's /v1/completions (vLLM's own OpenAI
+    layer on each replica): greedy completions of the token prompts, their token ids
+    returned by vLLM's ``return_token_ids``, equal the fresh engine's."""
+    import openai
+
+    if "reference_v0" not in state:
+        pytest.skip("not run: the serving check left no reference")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    got, versions = [], set()
+    t0 = time.perf_counter()
+    for p in PROMPTS:
+        raw = client.completions.with_raw_response.create(
+            model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"return_token_ids": True}
+        )
+        versions.add(raw.headers.get("x-rollout-weight-version"))
+        got.append(list(raw.parse().choices[0].token_ids))
+    want = state["reference_v0"]
+    record(model=model, seconds=round(time.perf_counter() - t0, 2), greedy=first_mismatch(got, want), weight_version_headers=sorted(map(str, versions)))
+    assert got == want, first_mismatch(got, want)
+    assert None not in versions, versions
+
+
 # ---- NCCL publish --------------------------------------------------------------
 
 
@@ -499,6 +536,95 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
     assert spans == {str(version)}, spans
 
 
+# ---- trainer killed mid-publish ------------------------------------------------
+
+
+KILLED_TRAINER = r"""
+import sys, time
+import ray, torch
+import vllm.distributed.weight_transfer.packed_tensor as packed
+from safetensors.torch import load_file
+from rollout.sync import WeightPublisher
+
+app, weights, device = sys.argv[1], sys.argv[2], sys.argv[3]
+real = packed.packed_nccl_broadcast_producer
+
+def stalled(iterator, **kwargs):
+    items = list(iterator)
+    def halfway():
+        for i, item in enumerate(items):
+            if i == len(items) // 2:
+                torch.cuda.synchronize()
+                print("MIDWAY", flush=True)   # half the buckets are on the replicas: kill me now
+                time.sleep(3600)
+            yield item
+    return real(iterator=halfway(), **kwargs)
+
+packed.packed_nccl_broadcast_producer = stalled
+ray.init(address="auto", namespace="rollout-gpu", log_to_driver=False)
+tensors = load_file(weights, device=device)
+WeightPublisher.connect(app_name=app, backend="nccl").publish(tensors)
+"""
+
+
+def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_version(cluster, perturbed, record):
+    """On the serving app, where the perturbed policy is committed with its checkpoint, a
+    second trainer process publishes the original weights and is killed with half of the
+    buckets delivered."""
+    if "committed" not in state or "reference_perturbed" not in state:
+        pytest.skip("not run: the NCCL checks left no committed perturbed policy")
+    if "bare" in state:
+        stop(state.pop("bare"))  # frees the replica GPU's second engine for the replacement replica
+    cfg = platform_cfg(state["app"], "nccl")
+    trainer_gpu, committed = state["trainer_gpu"], state["committed"]
+    before = coordinator_status(cfg.app_name)
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TRAINER, cfg.app_name, str(MODEL / "model.safetensors"), f"cuda:{trainer_gpu}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    lines = []
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if line.startswith("MIDWAY") or time.monotonic() > deadline:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = time.monotonic()
+    record(trainer_output_tail=lines[-5:], killed_midway=any(l.startswith("MIDWAY") for l in lines))
+    assert any(l.startswith("MIDWAY") for l in lines), "\n".join(lines[-20:])
+
+    client = RolloutClientFor(cfg.app_name)
+    want = state["reference_perturbed"]
+
+    def recovered():
+        try:
+            status = coordinator_status(cfg.app_name)
+            if status["round_in_progress"] or status["committed_version"] != committed:
+                return None
+            if not status["replicas"] or any(r["version"] != committed for r in status["replicas"].values()):
+                return None
+            return status if greedy(on_platform(client)) == want else None
+        except Exception:  # noqa: BLE001 - replicas being replaced answer with errors meanwhile
+            return None
+
+    status = wait_for(recovered, timeout_s=300, interval_s=2.0)
+    recovery_s = time.monotonic() - killed_at
+    outcome = (status or coordinator_status(cfg.app_name)).get("last_outcome")
+    record(
+        recovered=bool(status),
+        recovery_s=round(recovery_s, 1),
+        sync_timeout_s=cfg.sync.timeout_s,
+        last_outcome=outcome,
+        replicas_before=list(before["replicas"]),
+        replicas_after=list((status or {}).get("replicas", {})),
+    )
+    assert status, f"not every replica served version {committed} within 300 s of the kill; last outcome {outcome}"
+    assert outcome and not outcome["committed"], outcome
+
+
 # ---- catch-up ------------------------------------------------------------------
 
 
@@ -507,7 +633,8 @@ def test_a_replica_added_after_a_commit_serves_the_committed_version_from_the_ch
     checkpoint while it starts, before Serve routes it any request."""
     if "committed" not in state:
         pytest.skip("not run: the NCCL check did not commit a version")
-    stop(state.pop("bare"))  # frees the replica GPU's second engine
+    if "bare" in state:
+        stop(state.pop("bare"))  # frees the replica GPU's second engine
     before = set(coordinator_status(state["app"])["replicas"])
     scale_s = deploy(platform_cfg(state["app"], "nccl", replicas=2))
     status = coordinator_status(state["app"])
@@ -576,106 +703,6 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(cluster,
     delete(cfg.app_name)
     assert got == want, first_mismatch(got, want)
     assert peak_growth < 0.05 * nbytes, f"the trainer's GPU memory grew by {peak_growth} bytes for {nbytes} bytes of weights"
-
-
-def RolloutClientFor(app: str):
-    from rollout.client import RolloutClient
-
-    return RolloutClient.connect(app_name=app)
-
-
-# ---- trainer killed mid-publish ------------------------------------------------
-
-
-KILLED_TRAINER = r"""
-import sys, time
-import ray, torch
-import vllm.distributed.weight_transfer.packed_tensor as packed
-from safetensors.torch import load_file
-from rollout.sync import WeightPublisher
-
-app, weights, device = sys.argv[1], sys.argv[2], sys.argv[3]
-real = packed.packed_nccl_broadcast_producer
-
-def stalled(iterator, **kwargs):
-    items = list(iterator)
-    def halfway():
-        for i, item in enumerate(items):
-            if i == len(items) // 2:
-                torch.cuda.synchronize()
-                print("MIDWAY", flush=True)   # half the buckets are on the replicas: kill me now
-                time.sleep(3600)
-            yield item
-    return real(iterator=halfway(), **kwargs)
-
-packed.packed_nccl_broadcast_producer = stalled
-ray.init(address="auto", namespace="rollout-gpu", log_to_driver=False)
-tensors = load_file(weights, device=device)
-WeightPublisher.connect(app_name=app, backend="nccl").publish(tensors)
-"""
-
-
-def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_version(cluster, perturbed, record):
-    """Commit the perturbed policy (with its checkpoint), then a second trainer process
-    publishes the original weights and is killed with half of the buckets delivered."""
-    if "reference_perturbed" not in state:
-        pytest.skip("not run: the NCCL check produced no reference for the perturbed weights")
-    from rollout.sync import WeightPublisher
-
-    cfg = platform_cfg("gpu-kill", "nccl")
-    record(replica_start_s=round(deploy(cfg), 1))
-    replica_gpu, trainer_gpu = gpu_by_memory()
-    tensors = load_weights(perturbed, f"cuda:{trainer_gpu}")
-    committed = WeightPublisher.connect(app_name=cfg.app_name, backend="nccl").publish(tensors, checkpoint=str(perturbed))
-    del tensors
-    torch.cuda.empty_cache()
-    before = coordinator_status(cfg.app_name)
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_TRAINER, cfg.app_name, str(MODEL / "model.safetensors"), f"cuda:{trainer_gpu}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    lines = []
-    deadline = time.monotonic() + 300
-    for line in proc.stdout:
-        lines.append(line.rstrip())
-        if line.startswith("MIDWAY") or time.monotonic() > deadline:
-            break
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = time.monotonic()
-    record(trainer_output_tail=lines[-5:], killed_midway=any(l.startswith("MIDWAY") for l in lines))
-    assert any(l.startswith("MIDWAY") for l in lines), "\n".join(lines[-20:])
-
-    client = RolloutClientFor(cfg.app_name)
-    want = state["reference_perturbed"]
-
-    def recovered():
-        try:
-            status = coordinator_status(cfg.app_name)
-            if status["round_in_progress"] or status["committed_version"] != committed:
-                return None
-            if not status["replicas"] or any(r["version"] != committed for r in status["replicas"].values()):
-                return None
-            return status if greedy(on_platform(client)) == want else None
-        except Exception:  # noqa: BLE001 - replicas being replaced answer with errors meanwhile
-            return None
-
-    status = wait_for(recovered, timeout_s=300, interval_s=2.0)
-    recovery_s = time.monotonic() - killed_at
-    outcome = (status or coordinator_status(cfg.app_name)).get("last_outcome")
-    record(
-        recovered=bool(status),
-        recovery_s=round(recovery_s, 1),
-        sync_timeout_s=cfg.sync.timeout_s,
-        last_outcome=outcome,
-        replicas_before=list(before["replicas"]),
-        replicas_after=list((status or {}).get("replicas", {})),
-    )
-    delete(cfg.app_name)
-    assert status, f"not every replica served version {committed} within 300 s of the kill; last outcome {outcome}"
-    assert outcome and not outcome["committed"], outcome
 
 
 # ---- tensor parallelism --------------------------------------------------------
