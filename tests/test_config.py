@@ -87,6 +87,20 @@ def test_autoscaling_settings_reach_serve():
     assert opts["autoscaling_config"]["min_replicas"] == 0 and opts["autoscaling_config"]["max_replicas"] == 3
 
 
+@pytest.mark.parametrize("look_back_period_s", [0.5, 2.0, 30.0, 120.0])
+def test_serve_accepts_the_autoscaling_settings_without_a_warning(look_back_period_s):
+    import warnings
+
+    from ray.serve.config import AutoscalingConfig
+
+    a = {"look_back_period_s": look_back_period_s, "upscale_delay_s": look_back_period_s, "downscale_delay_s": look_back_period_s}
+    cfg = load_config({"model": {"path": "/m"}, "deployment": {"autoscaling": a}}, environ={})
+    serve_cfg = dict(engine_deployment_options(cfg, "cpu")["autoscaling_config"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # "look_back_period_s must be greater than metrics_interval_s"
+        AutoscalingConfig(**serve_cfg)
+
+
 def test_app_args_accept_a_config_file_or_the_config_itself(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("model: {path: /m}\n")

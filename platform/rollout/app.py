@@ -80,7 +80,9 @@ def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
             "look_back_period_s": a.look_back_period_s,
-            "metrics_interval_s": min(10.0, a.look_back_period_s),
+            # Serve requires look_back_period_s > metrics_interval_s (it warns now and will raise):
+            # at least two samples in every window.
+            "metrics_interval_s": min(10.0, a.look_back_period_s / 2),
             # Sized on the engines' running + waiting sequences, not on Serve's call count.
             "policy": {"policy_function": "rollout.scaling:engine_load_policy"},
         }

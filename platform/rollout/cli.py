@@ -18,7 +18,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     ray.init(address=args.address, namespace="rollout", ignore_reinit_error=True)
-    deploy(cfg)
+    try:
+        deploy(cfg)
+    except RuntimeError as e:  # Serve gave up on the app (its replicas failed to start)
+        from ray import serve
+
+        # The replicas' errors are in their deployments' status, not in the app's.
+        app = serve.status().applications.get(cfg.app_name)
+        messages = [str(e)] + ([d.message for d in app.deployments.values()] if app else [])
+        print(f"rollout serve: {cfg.app_name!r} did not start: {start_failure(chr(10).join(messages))}", file=sys.stderr, flush=True)
+        serve.delete(cfg.app_name)
+        return 1
     print(f"serving {cfg.model.name!r} as app {cfg.app_name!r} on http://{cfg.http.host}:{cfg.http.port} (Ctrl-C to stop)", flush=True)
     stop = False
 
@@ -36,6 +46,24 @@ def _serve(args: argparse.Namespace) -> int:
 
     serve.delete(cfg.app_name)
     return 0
+
+
+def start_failure(message: str) -> str:
+    """One line saying why an app did not start, from Serve's failure message (which
+    holds the replicas' tracebacks)."""
+    import re
+
+    ours = re.findall(r"EngineStartError: (.+)", message)
+    if ours:
+        return ours[-1].strip()
+    if "Engine core initialization failed" in message:
+        return (
+            "vLLM's engine failed to start; its own error is in the log above (look for its ValueError or "
+            "RuntimeError). Check model.path, model.max_model_len, model.dtype and the memory settings "
+            "(model.kv_cache_memory_bytes, model.gpu_memory_utilization)."
+        )
+    lines = [l.strip() for l in message.splitlines() if l.strip()]
+    return lines[-1] if lines else message
 
 
 def _build_model(args: argparse.Namespace) -> int:

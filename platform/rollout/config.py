@@ -71,16 +71,20 @@ class ModelConfig(_Section):
         le=4096,
         description="Most sequences one engine schedules at once, 1..4096. Replica concurrency is sized from it.",
     )
-    gpu_memory_utilization: float = Field(
-        default=0.9,
+    gpu_memory_utilization: Optional[float] = Field(
+        default=None,
         gt=0.0,
         le=1.0,
-        description="Fraction of accelerator memory (on CPU: of one NUMA node's memory) vLLM may use, (0, 1]. Ignored when `kv_cache_memory_bytes` is set.",
+        description=(
+            "Fraction of accelerator memory (on CPU: of one NUMA node's memory, which must be free at start) vLLM may use, (0, 1]. "
+            "Unset: 0.9 on GPUs; on CPU the KV cache is sized from the memory free on the replica's node (a quarter of it after the weights, "
+            "256 MiB to 4 GiB, logged at start). Ignored when `kv_cache_memory_bytes` is set."
+        ),
     )
     kv_cache_memory_bytes: Optional[int] = Field(
         default=None,
         ge=1 << 20,
-        description="Exact KV-cache size in bytes (>= 1 MiB); overrides `gpu_memory_utilization`.",
+        description="Exact KV-cache size in bytes (>= 1 MiB); overrides `gpu_memory_utilization`. A replica that cannot fit it fails at start, naming this field.",
     )
     enable_prefix_caching: bool = Field(
         default=True, description="Reuse KV-cache blocks of shared prompt prefixes."

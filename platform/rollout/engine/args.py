@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from rollout.config import ModelConfig
+from rollout.engine.memory import memory_kwargs
 
 
 def resolve_device(model: ModelConfig) -> Literal["cpu", "cuda"]:
@@ -19,7 +20,8 @@ def resolve_device(model: ModelConfig) -> Literal["cpu", "cuda"]:
 
 
 def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.AsyncEngineArgs``."""
+    """Keyword arguments for ``vllm.AsyncEngineArgs``. Raises
+    :class:`rollout.engine.memory.EngineStartError` for a memory size that cannot fit."""
     kw: dict[str, Any] = dict(
         model=model.path,
         tokenizer=model.tokenizer_path,
@@ -34,10 +36,8 @@ def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:
         # Scheduler stats feed health checks, stats() and metrics.
         disable_log_stats=False,
     )
-    if model.kv_cache_memory_bytes is not None:
-        kw["kv_cache_memory_bytes"] = model.kv_cache_memory_bytes
-    else:
-        kw["gpu_memory_utilization"] = model.gpu_memory_utilization
+    # On CPU this reads the node's free memory: call it where the engine runs.
+    kw.update(memory_kwargs(model, device))
     if device == "cuda" and model.tensor_parallel_size > 1:
         # Workers go into the replica's placement group (see placement()).
         kw["distributed_executor_backend"] = "ray"

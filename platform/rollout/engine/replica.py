@@ -22,6 +22,7 @@ from rollout.engine.load import ReplicaLoad
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, check_request
 from rollout.errors import EngineUnavailableError, InvalidRequestError, from_validation_error
+from rollout.logs import show_platform_logs
 from rollout.sync.version import INITIAL_VERSION_LABEL, version_of
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,10 @@ class RolloutEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from rollout.engine.args import engine_kwargs
+        from rollout.engine.openai_app import build_openai_app, serve_argv
         from rollout.engine.stats import stat_logger_factory
 
+        show_platform_logs()
         self.config = PlatformConfig.model_validate(config)
         self.replica_id = self._replica_id()
         self.metrics = None
@@ -56,7 +59,9 @@ class RolloutEngine:
             self.metrics = EngineMetrics(self.replica_id, self.config.model.name, self.config.app_name)
             stat_loggers.append(vllm_ray_stat_logger())
         self.snapshot = SchedulerSnapshot(self.metrics)
+        # Once: on CPU it sizes the KV cache from the memory free now (before the engine takes it).
         kwargs = engine_kwargs(self.config.model, device)
+        argv = serve_argv(self.config.model, self.config.openai, kwargs)
         if coordinator is not None:
             from vllm.config import WeightTransferConfig
 
@@ -93,10 +98,8 @@ class RolloutEngine:
             # Registration (and catch-up) happen before __init__ returns, so Serve
             # routes no request here until this replica holds the committed version.
             await self.sync.start()
-        from rollout.engine.openai_app import build_openai_app, serve_argv
-
         # vLLM's own OpenAI server over this engine, with `vllm serve`'s arguments for it.
-        self.openai_app = await build_openai_app(self.engine, serve_argv(self.config.model, self.config.openai, engine_kwargs(self.config.model, device)))
+        self.openai_app = await build_openai_app(self.engine, argv)
         self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges()) if self.metrics is not None else None
         logger.info("replica %s ready: %s, limits %s", self.replica_id, self.config.model.path, self.limits)
 

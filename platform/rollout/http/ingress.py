@@ -21,6 +21,7 @@ from rollout.errors import (
     loc_to_field,
     unwrap_remote,
 )
+from rollout.logs import show_platform_logs
 from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.sync.protocol import SyncError
 from rollout.sync.remote import OUTCOME, PLAN, SYNC_TOKEN_HEADER, BeginRoundBody, FinishBody
@@ -109,6 +110,7 @@ async def _first_then_rest(agen: AsyncIterator[RolloutChunk]) -> tuple[RolloutCh
 @serve.ingress(app)
 class HttpIngress(VllmRlRoutes):
     def __init__(self, engine_handle, config: dict[str, Any], coordinator_handle=None):
+        show_platform_logs()
         self.config = PlatformConfig.model_validate(config)
         self.engine_handle = engine_handle
         self.engine = HandleTransport(engine_handle, self.config.deployment.client_batch_size)

@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 from rollout.config import PlatformConfig
 from rollout.errors import AuthenticationError, InvalidRequestError
+from rollout.logs import show_platform_logs
 from rollout.sync import net
 from rollout.sync.backends import get_backend
 from rollout.sync.protocol import REREGISTER, Control, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SessionPlan, SyncError
@@ -85,6 +86,7 @@ class WeightSyncCoordinator(RouteSessions):
     :class:`~rollout.sync.sessions.RouteSessions`."""
 
     def __init__(self, config: dict[str, Any], backend: str):
+        show_platform_logs()
         self.config = PlatformConfig.model_validate(config)
         self.backend = backend
         self.committed_version = 0

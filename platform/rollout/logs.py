@@ -1,0 +1,27 @@
+"""The platform's own log lines in its Serve processes.
+
+Serve configures only the ``ray.serve`` logger in a replica; the root logger stays at
+WARNING, so ``rollout.*`` INFO lines (a replica's KV-cache size, registrations, sync
+rounds, catch-up) would be dropped. Each deployment calls :func:`show_platform_logs`
+first; the lines go to the process's stderr, which Ray keeps in the replica's log file
+and streams to the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+
+FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
+
+
+def show_platform_logs(level: int = logging.INFO) -> None:
+    """Emit ``rollout.*`` records at ``level`` and above on stderr (idempotent)."""
+    root = logging.getLogger("rollout")
+    root.setLevel(level)
+    if not any(getattr(h, "_rollout", False) for h in root.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(FORMAT))
+        handler._rollout = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+        # Not also through the root logger's handlers, where a host process has any.
+        root.propagate = False

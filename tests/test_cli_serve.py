@@ -1,0 +1,105 @@
+"""`rollout serve` as a new user runs it: the README's smallest config, and one that cannot fit.
+
+Each test runs the command in its own process with its own local Ray cluster (it runs
+among the unit tests, before the session's cluster starts).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollout.api import RolloutRequest, SamplingConfig
+from rollout.sync.net import free_port
+
+START_TIMEOUT_S = 300
+
+
+class Serve:
+    """``rollout serve --config PATH`` in a child process; its output collected line by line."""
+
+    def __init__(self, config: dict, tmp_path: Path):
+        path = tmp_path / "rollout.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout.cli", "serve", "--config", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return True
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                return any(text in line for line in self.lines)
+            time.sleep(0.5)
+        return False
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+
+def test_rollout_serve_with_only_the_model_path_starts_and_serves(model_dir, tmp_path):
+    from rollout.client import RolloutClient
+
+    port = free_port()
+    serve = Serve({"model": {"path": str(model_dir)}, "http": {"port": port}}, tmp_path)
+    try:
+        assert serve.wait_for("serving ", START_TIMEOUT_S), serve.tail()
+        # The replica said what it chose for the KV cache, and why.
+        assert any("KV cache sized from free memory" in line for line in serve.lines), serve.tail()
+        client = RolloutClient.http(f"http://127.0.0.1:{port}")
+        try:
+            (result,) = client.generate_sync([RolloutRequest(prompt_token_ids=[5, 6, 7], sampling=SamplingConfig(max_tokens=4, ignore_eos=True))])
+        finally:
+            client.close()
+        assert len(result.samples[0].token_ids) == 4
+    finally:
+        rc = serve.stop()
+    assert rc == 0, serve.tail()
+
+
+def test_rollout_serve_that_cannot_fit_exits_with_one_line_naming_the_field(model_dir, tmp_path):
+    config = {"model": {"path": str(model_dir), "device": "cpu", "kv_cache_memory_bytes": 1 << 40}, "http": {"port": free_port()}}
+    serve = Serve(config, tmp_path)
+    t0 = time.monotonic()
+    try:
+        serve.proc.wait(START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {START_TIMEOUT_S} s:\n{serve.tail()}")
+    finally:
+        serve.stop()
+    said = [line for line in serve.lines if line.startswith("rollout serve:")]
+    assert serve.proc.returncode == 1, serve.tail()
+    assert len(said) == 1, serve.tail()
+    assert "model.kv_cache_memory_bytes = 1024.00 GiB does not fit" in said[0], said[0]
+    assert said[0].endswith("lower model.kv_cache_memory_bytes"), said[0]
+    print(f"failed in {time.monotonic() - t0:.0f} s: {said[0]}")
