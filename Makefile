@@ -52,8 +52,10 @@ test-quarantine: install model tools
 demo: install model
 	$(BIN)/rollout demo --model $(MODEL)
 
+# The JSON under docs/bench is the evidence the README's numbers are rendered from: commit both.
 bench: install model
-	$(BIN)/rollout bench --model $(MODEL) --out build/bench
+	$(BIN)/rollout bench --model $(MODEL) --out docs/bench
+	$(BIN)/rollout bench-report --readme README.md
 
 config-docs: install
 	$(BIN)/rollout config-docs --readme README.md

@@ -63,6 +63,8 @@ GENERATED = "sum(ray_rollout_generated_tokens_total)"
 
 
 async def test_token_counters_match_the_tokens_the_client_received(prometheus, handle_client, http_client):
+    # The counter exists once a replica served a request (run alone, this test is the first).
+    await handle_client.generate([RolloutRequest(prompt="first", sampling=SamplingConfig(max_tokens=2))])
     await until(prometheus, GENERATED, lambda r: True)  # scraped at least once
     before = await settled(prometheus, GENERATED)
     reqs = [RolloutRequest(prompt=f"step {i} of the policy", n=2, sampling=SamplingConfig(max_tokens=8 + i, temperature=1.0)) for i in range(12)]
@@ -70,6 +72,18 @@ async def test_token_counters_match_the_tokens_the_client_received(prometheus, h
     received = sum(len(s.token_ids) for r in results for s in r.samples)
     await until(prometheus, GENERATED, lambda r: float(r[0]["value"][1]) >= before + received)
     assert await settled(prometheus, GENERATED) == before + received
+
+
+async def test_vllm_metrics_come_through_ray_less_the_per_token_histogram(prometheus, handle_client):
+    from rollout.metrics import VLLM_METRICS_LEFT_OUT
+
+    await handle_client.generate([RolloutRequest(prompt="per request, not per token", sampling=SamplingConfig(max_tokens=6))])
+    # The same latency per finished request is exported; the per-token histogram is not.
+    await until(prometheus, "sum(ray_vllm_request_time_per_output_token_seconds_count)", lambda r: float(r[0]["value"][1]) > 0)
+    await until(prometheus, "sum(ray_vllm_generation_tokens_total)", lambda r: float(r[0]["value"][1]) > 0)
+    for name in VLLM_METRICS_LEFT_OUT:
+        expr = "ray_" + name.replace(":", "_") + "_count"
+        assert await asyncio.to_thread(prometheus.query, expr) == [], f"{expr} is exported"
 
 
 async def test_kv_cache_usage_is_a_fraction_for_every_replica(prometheus, handle_client):

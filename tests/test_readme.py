@@ -27,6 +27,16 @@ def test_readme_gpu_section_is_generated_from_the_committed_results():
     assert block == gpu_report.render_files(gpu_report.all_results()), "README is stale: run `rollout gpu-report --readme README.md`"
 
 
+def test_readme_benchmark_numbers_are_generated_from_the_committed_json():
+    from rollout.bench import report
+
+    from rollout.readme_section import section
+
+    assert section(README.read_text(), report.BEGIN, report.END) == report.render(), "README is stale: run `rollout bench-report --readme README.md` (make bench does)"
+    for name in report.RENDERERS:
+        assert (report.RESULTS_DIR / f"{name}.json").exists(), f"docs/bench/{name}.json is not committed"
+
+
 def test_gpu_report_says_what_did_not_pass_and_why():
     from rollout.gpu_report import render
 

@@ -89,6 +89,18 @@ def _bench(args: argparse.Namespace) -> int:
     return run_benchmarks(Path(args.model), Path(args.out), tuple(args.only) if args.only else BENCHMARKS)
 
 
+def _bench_report(args: argparse.Namespace) -> int:
+    from rollout.bench.report import RESULTS_DIR, render, update_readme
+
+    results = Path(args.results) if args.results else RESULTS_DIR
+    if args.readme:
+        changed = update_readme(Path(args.readme), results)
+        print(f"{args.readme}: {'updated' if changed else 'up to date'} from {results}")
+    else:
+        print(render(results))
+    return 0
+
+
 def _config_docs(args: argparse.Namespace) -> int:
     from rollout.config_docs import render, update_readme
 
@@ -169,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="build/bench")
     bench.add_argument("--only", nargs="*", help="run only these benchmarks (engine_throughput, weight_sync, scaling)")
     bench.set_defaults(func=_bench)
+    br = sub.add_parser("bench-report", help="render the README's benchmark section from the benchmark JSON (docs/bench)")
+    br.add_argument("--results", help="folder of <benchmark>.json (default: docs/bench)")
+    br.add_argument("--readme", help="rewrite this file's section instead of printing it")
+    br.set_defaults(func=_bench_report)
 
     c = sub.add_parser("config-docs", help="print the configuration reference, or rewrite it in a README")
     c.add_argument("--readme", default=None)

@@ -1,0 +1,51 @@
+"""rollout.bench.report renders the README's benchmark numbers from the benchmark JSON."""
+
+from __future__ import annotations
+
+import json
+
+from rollout.bench import report
+
+
+def throughput(handle_vs_bare: float) -> dict:
+    rounds = {"bare": [900.0, 1000.0, 1100.0], "handle": [800.0, 1000.0 * handle_vs_bare, 1200.0], "http": [950.0, 990.0, 1000.0]}
+    point = {
+        "concurrency": 64,
+        "bare_vllm_tokens_per_s": 1000.0,
+        "handle_tokens_per_s": 1000.0 * handle_vs_bare,
+        "http_tokens_per_s": 990.0,
+        "handle_vs_bare": handle_vs_bare,
+        "http_vs_bare": 0.99,
+        "rounds": rounds,
+        "cpu_s_per_round": {"bare": {"vllm worker": 1.0}, "handle": {"vllm worker": 1.0, "engine replica": 0.5}},
+    }
+    return {
+        "max_tokens": 128,
+        "rounds": 3,
+        "order": "interleaved",
+        "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11", "vllm": "0.32.0"},
+        "target": "handle_vs_bare and http_vs_bare >= 0.95 at every concurrency",
+        "target_met": handle_vs_bare >= 0.95,
+        "points": [point],
+    }
+
+
+def test_every_number_comes_from_the_json_and_a_missed_target_says_so(tmp_path):
+    (tmp_path / "engine_throughput.json").write_text(json.dumps(throughput(0.9)))
+    text = report.render(tmp_path)
+    assert text.startswith(report.BEGIN) and text.endswith(report.END)
+    assert "| 64 | 1,000 (900-1,100) | 900 (800-1,200) | 990 (950-1,000) | **0.90x** | **0.99x** |" in text
+    assert "**not met**" in text
+    assert "64 concurrent, handle: total 1.50 s (vllm worker 1.00, engine replica 0.50)" in text
+    # A benchmark without committed results says so instead of showing old numbers.
+    assert "**weight_sync**: no results committed" in text
+
+
+def test_the_readme_section_is_rewritten_in_place(tmp_path):
+    (tmp_path / "engine_throughput.json").write_text(json.dumps(throughput(1.0)))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.BEGIN}\nold numbers\n{report.END}\noutro\n")
+    assert report.update_readme(readme, tmp_path)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old numbers" not in text and "**met**" in text
+    assert not report.update_readme(readme, tmp_path)
