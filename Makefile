@@ -43,7 +43,7 @@ $(MODEL)/model.safetensors: | $(STAMP)
 model: $(MODEL)/model.safetensors
 
 test: install model tools
-	$(BIN)/python -m pytest -q -rs -m "not quarantine" tests
+	$(BIN)/python -m pytest -q -rs --durations=20 -m "not quarantine" tests
 
 # Tests that failed or were not verified in the last full run (see the README's status).
 test-quarantine: install model tools
