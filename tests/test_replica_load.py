@@ -204,3 +204,17 @@ def test_status_reads_the_gauges_back_into_loads(monkeypatch):
     assert f"{'a':<12} {2:>7} {0:>4} {3:>8} {1:>8} {0.125:>6.1%} {100:>9,.0f}" in lines
     assert f"{'b':<12} {0:>7} {2:>4} {0:>8} {'-':>8} {0.0:>6.1%} {0:>9,.0f}" in lines
     assert s.committed_version == 2 and s.tokens_per_s == 100.0
+
+
+def test_status_says_unknown_where_the_coordinators_gauges_are_missing(monkeypatch):
+    first = {"ray_rollout_generated_tokens_total": [({"replica": "a"}, 10.0)]}
+    second = {"ray_rollout_generated_tokens_total": [({"replica": "a"}, 10.0)], "ray_rollout_engine_running": [({"replica": "a"}, 1.0)]}
+    scrapes = iter([first, second])
+    monkeypatch.setattr("rollout.status.scrape", lambda url: next(scrapes))
+    monkeypatch.setattr("rollout.status.time.sleep", lambda s: None)
+    s = summarize("http://metrics", interval_s=2.0)
+    assert s.committed_version is None and s.registered is None and s.replicas["a"].lag is None
+    text = s.render()
+    assert "committed weight version  unknown (not reported)" in text
+    assert "1 reporting, unknown (not reported) registered for sync" in text
+    assert f"{'a':<12} {'-':>7} {'-':>4} {1:>8}" in text

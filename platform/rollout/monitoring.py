@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -72,16 +73,21 @@ PANELS = (
 @dataclass(frozen=True)
 class Alert:
     name: str
-    signal: str  # PromQL that always has data while the platform runs
+    # PromQL that has data while the platform runs: the e2e test fails when it has none, so
+    # a signal never pads itself with `or vector(0)` (it could not fail that test).
+    signal: str
     condition: str  # appended to the signal, e.g. "> 0"
     for_: str
     severity: str
     summary: str
     description: str
+    # A series whose absence fires the alert too ("nothing reports" is the worst case).
+    fires_when_absent: Optional[str] = None
 
     @property
     def expr(self) -> str:
-        return f"({self.signal}) {self.condition}"
+        expr = f"({self.signal}) {self.condition}"
+        return f"{expr} or absent({self.fires_when_absent})" if self.fires_when_absent else expr
 
 
 ALERTS = (
@@ -114,12 +120,13 @@ ALERTS = (
     ),
     Alert(
         "RolloutNoReadyReplica",
-        "count(ray_rollout_engine_running) or on() vector(0)",
+        "count(ray_rollout_engine_running)",
         "< 1",
         "10m",
         "critical",
         "No rollout engine replica reports",
         "No engine replica has reported metrics for 10 minutes: trainers get no rollouts.",
+        fires_when_absent="ray_rollout_engine_running",
     ),
     Alert(
         "RolloutHighErrorRate",

@@ -50,7 +50,7 @@ def prefix_cache_counters(url: str, app: str) -> tuple[float, float]:
 @dataclass
 class ReplicaRow:
     load: ReplicaLoad  # what the replica's own gauges say
-    lag: int = 0  # versions behind the committed one, from the coordinator's gauge
+    lag: Optional[int] = None  # versions behind the committed one, from the coordinator's gauge (None: not reported)
     tokens_per_s: float = 0.0  # from two reads of the generated-tokens counter
 
 
@@ -59,17 +59,27 @@ def _cell(value: Optional[Any], width: int, spec: str = "") -> str:
     return format(value, f">{width}{spec}") if value is not None else "-".rjust(width)
 
 
+def _known(value: Optional[int]) -> str:
+    return "unknown (not reported)" if value is None else str(value)
+
+
+def _max_gauge(samples, name: str) -> Optional[int]:
+    values = [v for _, v in samples.get(name, [])]
+    return int(max(values)) if values else None
+
+
 @dataclass
 class Summary:
-    committed_version: int = 0
-    registered: int = 0
+    # None: the coordinator's gauge is missing (no coordinator, or not scraped yet): unknown, not 0.
+    committed_version: Optional[int] = None
+    registered: Optional[int] = None
     tokens_per_s: float = 0.0
     replicas: dict[str, ReplicaRow] = field(default_factory=dict)
 
     def render(self) -> str:
         lines = [
-            f"committed weight version  {self.committed_version}",
-            f"replicas                  {len(self.replicas)} reporting, {self.registered} registered for sync",
+            f"committed weight version  {_known(self.committed_version)}",
+            f"replicas                  {len(self.replicas)} reporting, {_known(self.registered)} registered for sync",
             f"generated tokens/s        {self.tokens_per_s:,.0f}",
             "",
             f"{'replica':<12} {'version':>7} {'lag':>4} {'running':>8} {'waiting':>8} {'KV use':>7} {'tok/s':>9}",
@@ -77,7 +87,7 @@ class Summary:
         for r in sorted(self.replicas.values(), key=lambda r: r.load.replica_id):
             load = r.load
             lines.append(
-                f"{load.replica_id:<12} {_cell(load.weight_version, 7)} {r.lag:>4} {_cell(load.running, 8)} "
+                f"{load.replica_id:<12} {_cell(load.weight_version, 7)} {_cell(r.lag, 4)} {_cell(load.running, 8)} "
                 f"{_cell(load.waiting, 8)} {_cell(load.kv_cache_usage, 6, '.1%')} {r.tokens_per_s:>9,.0f}"
             )
         return "\n".join(lines)
@@ -104,14 +114,14 @@ def summarize(url: str, interval_s: float = 2.0) -> Summary:
     time.sleep(interval_s)
     second = scrape(url)
     s = Summary()
-    committed = second.get("ray_rollout_committed_weight_version", [])
-    s.committed_version = int(max((v for _, v in committed), default=0))
-    s.registered = int(max((v for _, v in second.get("ray_rollout_sync_replicas", [])), default=0))
+    s.committed_version = _max_gauge(second, "ray_rollout_committed_weight_version")
+    s.registered = _max_gauge(second, "ray_rollout_sync_replicas")
     before = _by_replica(first, "ray_rollout_generated_tokens_total")
     after = _by_replica(second, "ray_rollout_generated_tokens_total")
     lags = _by_replica(second, "ray_rollout_weight_version_lag")
     for rid, load in replica_loads(second).items():
         tokens = max(0.0, after.get(rid, 0.0) - before.get(rid, 0.0))
-        s.replicas[rid] = ReplicaRow(load=load, lag=int(lags.get(rid, 0)), tokens_per_s=tokens / interval_s)
+        lag = lags.get(rid)
+        s.replicas[rid] = ReplicaRow(load=load, lag=None if lag is None else int(lag), tokens_per_s=tokens / interval_s)
     s.tokens_per_s = sum(r.tokens_per_s for r in s.replicas.values())
     return s
