@@ -15,13 +15,15 @@ FORMAT = "%(levelname)s %(asctime)s %(name)s -- %(message)s"
 
 
 def show_platform_logs(level: int = logging.INFO) -> None:
-    """Emit ``rollout.*`` records at ``level`` and above on stderr (idempotent)."""
-    root = logging.getLogger("rollout")
-    root.setLevel(level)
-    if not any(getattr(h, "_rollout", False) for h in root.handlers):
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(FORMAT))
-        handler._rollout = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
-        # Not also through the root logger's handlers, where a host process has any.
-        root.propagate = False
+    """Emit ``rollout.*`` records at ``level`` and above (idempotent). A handler of our own
+    (stderr) is added only where the process's root logger has none: a host that logs
+    already (a test run, an application embedding the classes) keeps getting the records
+    through its own handlers."""
+    ours = logging.getLogger("rollout")
+    ours.setLevel(level)
+    if logging.getLogger().handlers or any(getattr(h, "_rollout", False) for h in ours.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler._rollout = True  # type: ignore[attr-defined]
+    ours.addHandler(handler)

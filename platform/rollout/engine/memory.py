@@ -75,34 +75,33 @@ def weights_bytes(model: ModelConfig) -> int:
     return sum(f.stat().st_size for f in root.iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
 
 
-def kv_bytes_per_token(model: ModelConfig) -> Optional[int]:
-    """K and V of one token over every layer, from the checkpoint's ``config.json`` (None if unreadable)."""
+def _hf_config(model: ModelConfig) -> dict:
+    """The checkpoint's ``config.json`` ({} when unreadable: the sizes below then go without it)."""
     try:
-        hf = json.loads((Path(model.path) / "config.json").read_text())
+        return json.loads((Path(model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def kv_bytes_per_token(model: ModelConfig, hf: dict) -> Optional[int]:
+    """K and V of one token over every layer (None when ``hf`` lacks the shapes)."""
+    try:
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         kv_heads = hf.get("num_key_value_heads") or heads
         layers = hf["num_hidden_layers"]
-    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
+    except (KeyError, TypeError, ZeroDivisionError):
         return None
     dtype_bytes = 4 if model.dtype == "float32" else 2
     return 2 * layers * kv_heads * head_dim * dtype_bytes
-
-
-def _max_model_len(model: ModelConfig) -> Optional[int]:
-    if model.max_model_len is not None:
-        return model.max_model_len
-    try:
-        return int(json.loads((Path(model.path) / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, KeyError, TypeError, ValueError):
-        return None
 
 
 def auto_cpu_kv_bytes(model: ModelConfig, node: NodeMemory, weights: int) -> int:
     """The KV cache for a CPU replica that set no size: see the module's docstring."""
     free = node.available - weights - CPU_ENGINE_OVERHEAD
     ceiling = CPU_KV_CEILING
-    per_token, max_len = kv_bytes_per_token(model), _max_model_len(model)
+    hf = _hf_config(model)
+    per_token, max_len = kv_bytes_per_token(model, hf), model.max_model_len or hf.get("max_position_embeddings")
     if per_token and max_len:
         ceiling = min(ceiling, max(CPU_KV_FLOOR, per_token * max_len * model.max_num_seqs))
     if free < CPU_KV_FLOOR:
