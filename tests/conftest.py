@@ -16,6 +16,7 @@ SYNC_TOKEN = "sync-token-0123456789"
 MAX_MODEL_LEN = 512
 MAX_N = 8
 KV_BYTES = 256 << 20
+MAX_BODY_BYTES = 1 << 20  # http.max_body_bytes of the session platform
 
 
 def free_port() -> int:
@@ -28,7 +29,7 @@ METRICS_PORT = free_port()
 
 # End-to-end modules share one app and run in this order: later ones change its state
 # (weights, replica count) that earlier ones assume.
-E2E_ORDER = ["test_generation_e2e", "test_bad_input_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_scaling_e2e"]
+E2E_ORDER = ["test_generation_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_scaling_e2e"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -90,7 +91,7 @@ def platform_config(model_dir, tmp_path_factory):
     return cpu_config(
         model_dir,
         model={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES},
-        http={"port": free_port(), "api_key_file": str(key_file), "host": "127.0.0.1"},
+        http={"port": free_port(), "api_key_file": str(key_file), "host": "127.0.0.1", "max_body_bytes": MAX_BODY_BYTES},
         metrics={"port": METRICS_PORT},
         limits={"max_n": MAX_N},
         # vLLM parses tool calls (named tool_choice included) only with auto tool choice on; the reference `vllm serve` gets the same.

@@ -19,7 +19,7 @@ BAD = [
     ("max_tokens zero", {**OK, "sampling": {"max_tokens": 0}}, "requests[0].sampling.max_tokens", "greater than or equal to 1"),
     ("max_tokens over context", {**OK, "sampling": {"max_tokens": MAX_MODEL_LEN}}, "requests[0].sampling.max_tokens", f"max_model_len={MAX_MODEL_LEN}"),
     ("token id outside vocab", {"prompt_token_ids": [1, 10**6]}, "requests[0].prompt_token_ids[1]", "outside the vocabulary"),
-    ("negative token id", {"prompt_token_ids": [1, -2]}, "requests[0]", ">= 0"),
+    ("negative token id", {"prompt_token_ids": [1, -2]}, "requests[0].prompt_token_ids[1]", "greater than or equal to 0"),
     ("prompt longer than context", {"prompt_token_ids": [5] * (MAX_MODEL_LEN + 10)}, "requests[0].prompt_token_ids", f"max_model_len={MAX_MODEL_LEN}"),
     ("n over cap", {**OK, "n": MAX_N + 1}, "requests[0].n", f"limits.max_n={MAX_N}"),
     ("two prompt forms", {**OK, "prompt": "hello"}, "requests[0]", "exactly one of"),
@@ -81,3 +81,24 @@ async def test_healthz_needs_no_key(base_url):
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as c:
         r = await c.get("/healthz")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+async def test_an_oversized_body_is_refused_with_413_before_it_is_parsed_and_serving_goes_on(base_url):
+    from tests.conftest import MAX_BODY_BYTES
+
+    big = {"requests": [{**OK, "request_id": "x" * 100}] * (MAX_BODY_BYTES // 100)}
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        r = await c.post("/v1/rollouts", json=big)
+        assert r.status_code == 413, r.text[:300]
+        assert r.json()["error"]["field"] == "body" and "http.max_body_bytes" in r.json()["error"]["message"]
+
+        # Without Content-Length (chunked), counted as it arrives.
+        async def chunks():
+            data = b'{"requests": [' + b" " * (MAX_BODY_BYTES + 1)
+            for i in range(0, len(data), 1 << 16):
+                yield data[i : i + (1 << 16)]
+
+        r = await c.post("/v1/rollouts", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text[:300]
+        ok = await c.post("/v1/rollouts", json={"requests": [OK]})
+        assert ok.status_code == 200

@@ -16,6 +16,7 @@ def throughput(handle_vs_bare: float) -> dict:
         "http_tokens_per_s": 990.0,
         "handle_vs_bare": handle_vs_bare,
         "http_vs_bare": 0.99,
+        "vs_bare_interval_90": {"handle": [handle_vs_bare - 0.05, handle_vs_bare + 0.04], "http": [0.97, 1.01]},
         "rounds": rounds,
         "cpu_s_per_round": {"bare": {"vllm worker": 1.0}, "handle": {"vllm worker": 1.0, "engine replica": 0.5}},
     }
@@ -34,7 +35,7 @@ def test_every_number_comes_from_the_json_and_a_missed_target_says_so(tmp_path):
     (tmp_path / "engine_throughput.json").write_text(json.dumps(throughput(0.9)))
     text = report.render(tmp_path)
     assert text.startswith(report.BEGIN) and text.endswith(report.END)
-    assert "| 64 | 1,000 (900-1,100) | 900 (800-1,200) | 990 (950-1,000) | **0.90x** | **0.99x** |" in text
+    assert "| 64 | 1,000 (900-1,100) | 900 (800-1,200) | 990 (950-1,000) | **0.90x** (0.85-0.94) | **0.99x** (0.97-1.01) |" in text
     assert "**not met**" in text
     assert "64 concurrent, handle: total 1.50 s (vllm worker 1.00, engine replica 0.50)" in text
     # A benchmark without committed results says so instead of showing old numbers.
@@ -49,3 +50,17 @@ def test_the_readme_section_is_rewritten_in_place(tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old numbers" not in text and "**met**" in text
     assert not report.update_readme(readme, tmp_path)
+
+
+def test_paired_ratios_cancel_drift_that_both_paths_see():
+    from rollout.stats_summary import median_interval, paired_ratios
+
+    # The machine slows down over the run; the path is 10% behind bare in every rotation.
+    bare = [1000.0, 800.0, 600.0, 1000.0, 700.0]
+    path = [b * 0.9 for b in bare]
+    ratios = paired_ratios(path, bare)
+    assert all(abs(r - 0.9) < 1e-9 for r in ratios)
+    assert all(abs(v - 0.9) < 1e-9 for v in median_interval(ratios))
+    # Scattered ratios give an interval around the median that a rerun may land in.
+    lo, hi = median_interval([0.8, 0.9, 1.0, 1.1, 1.2, 0.95, 1.05])
+    assert lo < 1.0 < hi and median_interval([0.8, 0.9, 1.0, 1.1, 1.2, 0.95, 1.05]) == (lo, hi)

@@ -163,3 +163,100 @@ async def test_a_round_under_a_trainers_pause_resets_the_prefix_cache_and_keeps_
         assert engine.calls[-1] == ("resume_generation",) and agent.version == 1
     finally:
         agent.stop()
+
+
+class Unreachable:
+    """A coordinator whose every call fails, as a dead or partitioned one does."""
+
+    def __getattr__(self, name):
+        async def fail(*args, **kwargs):
+            raise ConnectionError("coordinator gone")
+
+        return type("Method", (), {"remote": staticmethod(fail)})
+
+
+def replica_with(agent, max_staleness=None):
+    from rollout.config import load_config
+    from rollout.engine.replica import RolloutEngine
+
+    r = object.__new__(RolloutEngine)  # the admission rule only: no vLLM engine behind it
+    r.config = load_config({"model": {"path": "/models/x"}, "sync": {"max_staleness": max_staleness}}, environ={})
+    r.replica_id, r.sync = "r", agent
+    return r
+
+
+async def test_a_replica_that_lost_the_coordinator_stops_vouching_for_its_version(model_dir):
+    # Before: it kept reporting its last committed version (staleness 0) and admitted every
+    # request, while the coordinator dropped it and committed newer versions without it.
+    from rollout.api import RolloutRequest
+
+    agent = SyncAgent(engine=RecordingEngine(), coordinator=Unreachable(), replica_id="r", ranks=1, model_path=str(model_dir))
+    agent.version = 3
+    agent.lost_after_s = 0.2
+    agent._task = asyncio.create_task(agent._poll_forever())
+    try:
+        assert agent.known_committed == 3, "within the bound it still knows"
+        await asyncio.sleep(0.4)
+        assert agent.coordinator_lost_s() > 0.2 and agent.known_committed is None
+        request = RolloutRequest(prompt_token_ids=[1, 2])
+        with pytest.raises(StaleWeightsError, match="max_staleness 1"):
+            await replica_with(agent, max_staleness=1)._admit([(request, [1, 2])])
+        with pytest.raises(StaleWeightsError, match="min_weight_version 4"):
+            await replica_with(agent)._admit([(request.model_copy(update={"min_weight_version": 4}), [1, 2])])
+        # No rule asks for a version: nothing to vouch for, the request is served.
+        await replica_with(agent)._admit([(request.model_copy(update={"min_weight_version": 3}), [1, 2])])
+        # The coordinator answers again: the replica vouches again.
+        agent._heard_from_coordinator()
+        assert agent.known_committed == 3
+        await replica_with(agent, max_staleness=1)._admit([(request, [1, 2])])
+    finally:
+        agent.stop()
+
+
+async def test_a_result_without_version_spans_reports_its_staleness_as_unknown_not_zero(model_dir):
+    from types import SimpleNamespace
+
+    from rollout.api import RolloutRequest
+
+    class OneTokenEngine:
+        async def generate(self, prompt, params, request_id):
+            completion = SimpleNamespace(index=0, token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None, text="x", weight_versions=None)
+            yield SimpleNamespace(outputs=[completion])
+
+        def shutdown(self):
+            pass
+
+    agent = SyncAgent(engine=None, coordinator=None, replica_id="r", ranks=1, model_path=str(model_dir))
+    agent.version = 2
+    r = replica_with(agent)
+    r.engine, r.metrics = OneTokenEngine(), None
+    result = await r._generate_one(RolloutRequest(request_id="q", prompt_token_ids=[1, 2], sampling={"max_tokens": 1}), [1, 2])
+    assert result.committed_version == 2 and result.staleness is None
+
+
+async def test_a_version_no_publish_in_progress_can_bring_is_refused_at_once_not_held(model_dir):
+    # Before: min_weight_version 296 with version 0 committed held the request 60 s, then 503.
+    from rollout.api import RolloutRequest
+    from rollout.errors import InvalidRequestError
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    agent = SyncAgent(engine=None, coordinator=None, replica_id="r", ranks=1, model_path=str(model_dir))
+    r = replica_with(agent)
+    r.config.sync.timeout_s = 5
+    far = RolloutRequest(prompt_token_ids=[1], min_weight_version=296)
+    with pytest.raises(InvalidRequestError, match=r"requests\[3\].min_weight_version.*296 is ahead of the committed version 0"):
+        await asyncio.wait_for(r._admit([(far, [1])], offset=3), 1)
+    # The next version may come from a publish about to begin: held until it arrives.
+    held = asyncio.create_task(r._admit([(RolloutRequest(prompt_token_ids=[1], min_weight_version=1), [1])]))
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    agent.version = 1
+    await asyncio.wait_for(held, 1)
+    # A publish in progress that names version 296 (trainers often number by step): held.
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}}, "nccl")
+    coordinator._token = None
+    specs = checkpoint_spec(str(model_dir))
+    await coordinator.register("r", 1, 1, specs)
+    agent._incoming = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1, version=296))
+    assert agent.may_arrive(296) and not agent.may_arrive(297)

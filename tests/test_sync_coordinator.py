@@ -31,15 +31,21 @@ async def test_a_member_that_reports_after_the_decision_and_a_newer_round_still_
     assert c.round.plan.round_id == second.round_id and not c.round.decided.is_set(), "the open round is untouched"
 
 
-async def test_the_publisher_returns_once_every_member_serves_the_committed_version():
-    c = coordinator()
-    for rid in ("a", "b"):
+async def received_by(c: WeightSyncCoordinator, members=("a", "b")):
+    """A round every member received and the trainer finished: (plan, the trainer's finish())."""
+    for rid in members:
         await c.register(rid, 1, 0, SPECS)
     plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1))
-    for rid in ("a", "b"):
+    for rid in members:
         asyncio.get_running_loop().create_task(c.report(plan.round_id, rid, None))
     finish = asyncio.create_task(c.finish(plan.round_id))
     await asyncio.sleep(0.1)
+    return plan, finish
+
+
+async def test_the_publisher_returns_once_every_member_serves_the_committed_version():
+    c = coordinator()
+    plan, finish = await received_by(c)
     assert c.committed_version == 1 and not finish.done(), "committed, but no member serves it yet"
     await c.applied(plan.round_id, "a", 1)
     await c.applied(plan.round_id, "b", 1)
@@ -170,3 +176,16 @@ async def test_a_member_waiting_for_a_slow_decision_is_not_dropped_as_silent():
     assert "a" in c.replicas, "a is blocked in report(), not silent"
     await asyncio.wait_for(waiting, 5)  # the deadline aborts the round
     assert not waiting.result().committed
+
+
+async def test_a_member_that_never_confirms_serving_is_named_in_the_outcome_instead_of_hidden():
+    # Before: publish returned as if every replica served the version; only a log line said otherwise.
+    c = coordinator()
+    plan, finish = await received_by(c)
+    await c.applied(plan.round_id, "a", 1)  # b received the weights but never says it serves them
+    outcome = await asyncio.wait_for(finish, 3)  # bounded by the step deadline (timeout_s 1)
+    assert outcome.committed and outcome.version == 1
+    assert outcome.unconfirmed == ["b"]
+    status = await c.status()
+    assert status["last_outcome"]["unconfirmed"] == ["b"]
+    assert status["replicas"]["b"]["version"] == 0, "b's lag stays visible"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 
 import pytest
 import ray
@@ -133,8 +134,8 @@ async def test_after_publish_greedy_output_equals_a_fresh_engine_with_the_publis
     assert all(r["version"] == 1 for r in status["replicas"].values())
 
 
-async def test_a_request_for_a_newer_policy_waits_for_its_commit_and_reports_no_staleness(publisher, policy_v1, handle_client, platform):
-    from rollout.errors import StaleWeightsError
+async def test_a_request_for_a_newer_policy_waits_for_its_commit_and_reports_no_staleness(publisher, policy_v1, handle_client, http_client, platform):
+    from rollout.errors import InvalidRequestError, StaleWeightsError
 
     committed = (await asyncio.to_thread(publisher.status))["committed_version"]
     (now,) = await handle_client.generate([RolloutRequest(prompt_token_ids=PROMPTS[0], min_weight_version=committed, sampling=SamplingConfig(max_tokens=4))])
@@ -147,9 +148,15 @@ async def test_a_request_for_a_newer_policy_waits_for_its_commit_and_reports_no_
     (result,) = await asyncio.wait_for(held, 60)
     assert [s.version for s in result.samples[0].weight_versions] == [str(version)]
     assert (result.committed_version, result.staleness) == (version, 0)
-    # A version nobody publishes: a retryable error after the sync deadline, not a hang.
-    with pytest.raises(StaleWeightsError, match=f"version {version + 5} did not arrive"):
-        await asyncio.wait_for(handle_client.generate([RolloutRequest(prompt_token_ids=PROMPTS[0], min_weight_version=version + 5)]), platform.sync.timeout_s + 30)
+    # The next version, but nobody publishes it: a retryable error after the sync deadline, not
+    # a hang (over HTTP: a 409 of type stale_weights, the client's StaleWeightsError).
+    with pytest.raises(StaleWeightsError, match=f"version {version + 1} did not arrive"):
+        await asyncio.wait_for(http_client.generate([RolloutRequest(prompt_token_ids=PROMPTS[0], min_weight_version=version + 1)]), platform.sync.timeout_s + 30)
+    # A version no publish in progress can bring: refused at once, naming the field.
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequestError) as exc:
+        await handle_client.generate([RolloutRequest(prompt_token_ids=PROMPTS[0], min_weight_version=version + 5)])
+    assert exc.value.field == "requests[0].min_weight_version" and time.monotonic() - t0 < platform.sync.timeout_s / 2
 
 
 async def test_in_flight_request_keeps_going_on_the_new_weights_and_its_spans_show_the_switch(

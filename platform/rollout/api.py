@@ -9,71 +9,99 @@ that depend on the served model (vocabulary, context length, the configured cap 
 from __future__ import annotations
 
 import uuid
-from typing import List, Literal, Optional, Union
+from typing import Annotated, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 MAX_STOP_STRINGS = 32
 MAX_ID_LENGTH = 256
+
+
+
+def _integral(value: object) -> object:
+    # JSON Schema counts 3.0 as an integer (and JSON encoders may write one); strict
+    # validation would refuse it, so an integral float becomes the int it equals.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer as JSON Schema defines it: 3 and 3.0, never "3", true or 3.5.
+Int = Annotated[int, BeforeValidator(_integral)]
+# The bound goes before the validator: after one, pydantic publishes it as "ge", which
+# JSON Schema does not know (so the schema would call -1 valid).
+NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SamplingConfig(_Model):
+class _Input(_Model):
+    """What callers send: strict, so a value is accepted exactly when the published JSON
+    schema says it is valid (no "3" for an integer, no true for a count)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SamplingConfig(_Input):
     """How to sample. Defaults suit RL rollouts (temperature 1, logprobs on)."""
 
-    max_tokens: int = Field(default=128, ge=1, description="Tokens to generate at most (>= 1; prompt + max_tokens must fit the context).")
+    max_tokens: Int = Field(default=128, ge=1, description="Tokens to generate at most (>= 1; prompt + max_tokens must fit the context).")
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 is greedy, 0..100.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, (0, 1].")
-    top_k: int = Field(default=0, ge=0, description="Sample from the k most likely tokens; 0 disables.")
-    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1, description="Per-request seed for reproducible sampling.")
-    stop: List[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description="Strings that end a sample (not included in the output).")
-    stop_token_ids: List[int] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description="Token ids that end a sample.")
+    top_k: Int = Field(default=0, ge=0, description="Sample from the k most likely tokens; 0 disables.")
+    seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)]] = Field(
+        default=None, description="Per-request seed for reproducible sampling."
+    )
+    stop: List[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS, description="Strings that end a sample (not included in the output)."
+    )
+    stop_token_ids: List[NonNegativeInt] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description="Token ids that end a sample.")
     logprobs: bool = Field(default=True, description="Return the logprob of every sampled token.")
     ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
 
-    @model_validator(mode="after")
-    def _check(self) -> "SamplingConfig":
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be >= 0")
-        return self
 
-
-class ChatMessage(_Model):
+class ChatMessage(_Input):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
 
-class RolloutRequest(_Model):
+PROMPT_FORMS = ("prompt_token_ids", "prompt", "messages")
+
+
+def _one_prompt_form(schema: dict) -> None:
+    # The rule _exactly_one_prompt enforces, in the published schema too: exactly one of
+    # the three forms is present and not null.
+    schema["oneOf"] = [{"required": [f], "properties": {f: {"not": {"type": "null"}}}} for f in PROMPT_FORMS]
+
+
+class RolloutRequest(_Input):
     """One prompt to sample ``n`` completions of. Exactly one prompt form is given."""
 
-    prompt_token_ids: Optional[List[int]] = Field(default=None, min_length=1, description="Prompt as token ids (token-in/token-out).")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_one_prompt_form)
+
+    prompt_token_ids: Optional[List[NonNegativeInt]] = Field(default=None, min_length=1, description="Prompt as token ids (token-in/token-out).")
     prompt: Optional[str] = Field(default=None, min_length=1, description="Prompt as text, tokenized by the served tokenizer.")
     messages: Optional[List[ChatMessage]] = Field(default=None, min_length=1, description="Chat messages, rendered with the model's chat template.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    n: int = Field(default=1, ge=1, description="Samples of this prompt; they share one prefill. Capped by `limits.max_n`.")
+    n: Int = Field(default=1, ge=1, description="Samples of this prompt; they share one prefill. Capped by `limits.max_n`.")
     request_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Caller's id, echoed in the result; generated when absent.")
     session_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Groups requests of one episode (routing affinity).")
-    min_weight_version: Optional[int] = Field(
+    min_weight_version: Optional[NonNegativeInt] = Field(
         default=None,
-        ge=0,
-        description="Generate only with policy version >= this; a replica still behind holds the request until it serves it (up to `sync.timeout_s`), then fails it as retryable.",
+        description="Generate only with policy version >= this; a replica still behind holds the request until it serves it (up to `sync.timeout_s`), then fails it as retryable. "
+        "A version that no publish can bring without a new one beginning (above the committed version + 1 and the version of the round in progress) is refused at once (400).",
     )
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> "RolloutRequest":
-        given = [f for f in ("prompt_token_ids", "prompt", "messages") if getattr(self, f) is not None]
+        given = [f for f in PROMPT_FORMS if getattr(self, f) is not None]
         if len(given) != 1:
             raise ValueError(
                 "exactly one of prompt_token_ids, prompt, messages must be given"
                 + (f" (got {', '.join(given)})" if given else " (got none)")
             )
-        if self.prompt_token_ids is not None and any(t < 0 for t in self.prompt_token_ids):
-            raise ValueError("prompt_token_ids must be >= 0")
         return self
 
     def with_id(self) -> "RolloutRequest":
@@ -108,9 +136,15 @@ class RolloutResult(_Model):
     prompt_token_ids: List[int]
     samples: List[Sample]
     replica_id: Optional[str] = Field(default=None, description="The engine replica that served the request (for debugging routing).")
-    committed_version: int = Field(default=0, description="The newest committed policy version the replica knew of when the result was returned.")
-    staleness: int = Field(
-        default=0, description="`committed_version` minus the oldest version that produced any token of the result: how many policy updates behind it is."
+    committed_version: Optional[int] = Field(
+        default=0,
+        description="The newest committed policy version the replica knew of when the result was returned; null when it could not know "
+        "(it had not reached the weight-sync coordinator for longer than the membership bound).",
+    )
+    staleness: Optional[int] = Field(
+        default=0,
+        description="`committed_version` minus the oldest version that produced any token of the result: how many policy updates behind it is; "
+        "null when either is unknown.",
     )
 
 
@@ -132,7 +166,7 @@ class RolloutChunk(_Model):
     prompt_token_ids: Optional[List[int]] = Field(default=None, description="Set on the first chunk of the request only.")
 
 
-class RolloutBatch(_Model):
+class RolloutBatch(_Input):
     """Body of ``POST /v1/rollouts``."""
 
     requests: List[RolloutRequest] = Field(min_length=1)
@@ -140,3 +174,17 @@ class RolloutBatch(_Model):
 
 class RolloutBatchResult(_Model):
     results: List[RolloutResult]
+
+
+class ErrorDetail(_Model):
+    message: str
+    type: str = Field(
+        description="invalid_request_error, authentication_error, sync_error, or the retryable stale_weights, overloaded and engine_unavailable."
+    )
+    field: Optional[str] = Field(default=None, description="The request field at fault, e.g. `requests[3].sampling.max_tokens`.")
+
+
+class ErrorResponse(_Model):
+    """The body of every error answer of the ingress's own routes."""
+
+    error: ErrorDetail

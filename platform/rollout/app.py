@@ -58,10 +58,16 @@ def config_from_serve_app(app: Mapping[str, Any]) -> PlatformConfig:
 
 
 def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any]:
+    from ray.serve.config import BackpressureConfig
+
     d = cfg.deployment
     opts: dict[str, Any] = dict(
         name=d.name,
         max_ongoing_requests=d.resolved_max_ongoing_requests(cfg.model),
+        # Serve's bound on calls waiting at each caller; -1 is its "unbounded".
+        max_queued_requests=d.max_queued_requests if d.max_queued_requests is not None else -1,
+        # What a refused call says (BackPressureError carries it to the ingress and handle clients).
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=d.overload_retry_after_s),
         health_check_period_s=d.health_check_period_s,
         health_check_timeout_s=d.health_check_timeout_s,
         # vLLM shuts its engine core down cleanly within this window.
@@ -101,7 +107,15 @@ def engine_deployment_options(cfg: PlatformConfig, device: str) -> dict[str, Any
 
 # Deployment fields Serve applies itself (replica count, autoscaling, request router,
 # queue bound, probe period): no replica reads them, so they are not constructor args.
-SERVE_APPLIED_FIELDS = ("replicas", "autoscaling", "routing", "max_ongoing_requests", "health_check_period_s")
+SERVE_APPLIED_FIELDS = (
+    "replicas",
+    "autoscaling",
+    "routing",
+    "max_ongoing_requests",
+    "max_queued_requests",
+    "overload_retry_after_s",
+    "health_check_period_s",
+)
 
 
 def replica_args(cfg: PlatformConfig) -> dict[str, Any]:

@@ -166,6 +166,15 @@ class DeploymentConfig(_Section):
         le=65536,
         description="Concurrent calls per replica, 1..65536; unset derives it from `model.max_num_seqs` (Serve's default of 5 starves an LLM engine).",
     )
+    max_queued_requests: Optional[int] = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Calls that may wait at each caller (the HTTP ingress, each handle client) for a replica slot once every replica has "
+        "`max_ongoing_requests`; beyond it a call is refused at once: HTTP 429 with `Retry-After`, `OverloadedError` through the handle. "
+        "Unset: unbounded (Serve's default).",
+    )
+    overload_retry_after_s: float = Field(default=1.0, gt=0, le=3600, description="`Retry-After` (s) of an overload refusal, (0, 3600].")
     num_cpus: float = Field(default=1.0, ge=0, description="Ray CPUs reserved per engine replica (>= 0).")
     health_check_period_s: float = Field(default=10.0, gt=0, description="Seconds between replica health checks (> 0).")
     health_check_timeout_s: float = Field(default=30.0, gt=0, description="Seconds before a health check counts as failed (> 0).")
@@ -203,6 +212,12 @@ class HttpConfig(_Section):
     api_key_file: Optional[str] = Field(
         default=None,
         description=f"File holding the Bearer API key. `{API_KEY_ENV}` takes precedence. No key means the API is open (a warning is logged).",
+    )
+    max_body_bytes: int = Field(
+        default=32 << 20,
+        ge=1 << 10,
+        le=1 << 31,
+        description="Largest request body the ingress reads; larger ones get 413 before they are parsed, [1 KiB, 2 GiB].",
     )
 
     def resolve_api_key(self) -> Optional[str]:

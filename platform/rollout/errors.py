@@ -45,6 +45,30 @@ class StaleWeightsError(EngineUnavailableError):
     """The replica did not reach the policy version a request needs in time (retryable)."""
 
 
+class OverloadedError(EngineUnavailableError):
+    """Every replica is busy and the caller's queue (``deployment.max_queued_requests``) is
+    full: refused at once, nothing was started. Retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.retry_after_s))
+
+
+def as_overloaded(err: BaseException) -> BaseException:
+    """Serve's ``BackPressureError`` (a full caller queue) as our typed, retryable error,
+    with the ``Retry-After`` the deployment's ``backpressure_config`` sets; any other
+    error unchanged."""
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(err, BackPressureError):
+        retry_after_s = err.retry_after_s or 1.0
+        return OverloadedError(f"overloaded: {err.message} (deployment.max_queued_requests); retry after {retry_after_s:g}s", retry_after_s)
+    return err
+
+
 def loc_to_field(loc: Iterable[object]) -> str:
     out = ""
     for part in loc:

@@ -98,6 +98,9 @@ class SyncMetrics:
         self.bytes = m.Counter("rollout_weight_sync_bytes", "Bytes of weights committed per backend.", tag_keys=("backend",))
         self.rounds = m.Counter("rollout_weight_sync_rounds", "Sync rounds by kind and result.", tag_keys=("backend", "kind", "result"))
         self.failures = m.Counter("rollout_weight_sync_failures", "Aborted sync rounds by reason.", tag_keys=("backend", "reason"))
+        self.unconfirmed_replicas = m.Counter(
+            "rollout_weight_sync_unconfirmed", "Replicas that did not confirm serving a committed version within the step deadline.", tag_keys=("backend",)
+        )
         self.committed.set(0)
         self.replicas.set(0)
 
@@ -110,6 +113,9 @@ class SyncMetrics:
         if not committed:
             reason = reason if reason in SYNC_FAILURE_REASONS else "replica"
             self.failures.inc(1, tags={"backend": self.backend, "reason": reason})
+
+    def unconfirmed(self, replicas: int) -> None:
+        self.unconfirmed_replicas.inc(replicas, tags={"backend": self.backend})
 
     def membership(self, committed_version: int, versions: dict[str, int], gone: list[str]) -> None:
         self.committed.set(committed_version)

@@ -23,6 +23,13 @@ def _x(v: float) -> str:
     return f"{v:.2f}x"
 
 
+def _ratio(p: dict[str, Any], path: str) -> str:
+    """The paired ratio, with the bootstrap interval of its median when the run has one."""
+    text = f"**{_x(p[f'{path}_vs_bare'])}**"
+    interval = (p.get("vs_bare_interval_90") or {}).get(path)
+    return f"{text} ({interval[0]:.2f}-{interval[1]:.2f})" if interval else text
+
+
 def _range(values: list[float]) -> str:
     return f"{min(values):,.0f}-{max(values):,.0f}"
 
@@ -39,9 +46,9 @@ def engine_throughput(r: dict[str, Any]) -> list[str]:
     lines = [
         f"**engine_throughput** ({r['max_tokens']} tokens a request, {r.get('rounds', '?')} rounds a path, "
         f"{r.get('order', 'paths one after another')}; {_machine(r)}). Target: {r['target']}: "
-        f"**{'met' if r['target_met'] else 'not met'}**.",
+        f"**{'met' if r['target_met'] else 'not met'}**." + (f" Ratios: {r['ratios']}." if r.get("ratios") else ""),
         "",
-        "| concurrent | bare vLLM tok/s (range) | handle tok/s (range) | HTTP tok/s (range) | handle / bare | HTTP / bare |",
+        "| concurrent | bare vLLM tok/s (range) | handle tok/s (range) | HTTP tok/s (range) | handle / bare (90% interval) | HTTP / bare (90% interval) |",
         "|---|---|---|---|---|---|",
     ]
     for p in r["points"]:
@@ -49,7 +56,7 @@ def engine_throughput(r: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {p['concurrency']} | {p['bare_vllm_tokens_per_s']:,.0f} ({_range(rounds['bare'])}) | "
             f"{p['handle_tokens_per_s']:,.0f} ({_range(rounds['handle'])}) | {p['http_tokens_per_s']:,.0f} ({_range(rounds['http'])}) | "
-            f"**{_x(p['handle_vs_bare'])}** | **{_x(p['http_vs_bare'])}** |"
+            f"{_ratio(p, 'handle')} | {_ratio(p, 'http')} |"
         )
     cpu = [p for p in r["points"] if p.get("cpu_s_per_round")]
     if cpu:

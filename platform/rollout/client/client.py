@@ -11,6 +11,7 @@ models of :mod:`rollout.api`, errors are the typed exceptions of :mod:`rollout.e
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
@@ -19,6 +20,8 @@ from pydantic import ValidationError
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
 from rollout.client.transport import Transport
 from rollout.errors import from_validation_error
+
+logger = logging.getLogger(__name__)
 
 RequestLike = Union[RolloutRequest, dict]
 
@@ -121,8 +124,8 @@ class RolloutClient:
             for t in list(self._transports.values()):
                 try:
                     self._sync.run(t.close())
-                except Exception:
-                    pass
+                except Exception as e:  # closing the rest matters more; the cause is logged
+                    logger.warning("closing %s: %s failed to close: %s: %s", self.description, type(t).__name__, type(e).__name__, e)
             self._sync.stop()
             self._sync = None
         self._transports.clear()

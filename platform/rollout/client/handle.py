@@ -6,7 +6,7 @@ from typing import AsyncIterator, Sequence
 
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
 from rollout.batching import fan_out
-from rollout.errors import unwrap_remote
+from rollout.errors import as_overloaded, unwrap_remote
 
 
 class HandleTransport:
@@ -14,6 +14,10 @@ class HandleTransport:
         self._handle = handle
         self._stream_handle = self._handle.options(stream=True)
         self._batch_size = batch_size
+
+    @staticmethod
+    def _typed(e: BaseException) -> BaseException:
+        return as_overloaded(unwrap_remote(e))
 
     @classmethod
     def from_app(cls, app_name: str, deployment: str, batch_size: int) -> "HandleTransport":
@@ -25,7 +29,7 @@ class HandleTransport:
         try:
             return await self._handle.generate.remote(list(chunk), offset)
         except Exception as e:
-            raise unwrap_remote(e) from None
+            raise self._typed(e) from None
 
     async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
         return await fan_out(self._call, requests, self._batch_size)
@@ -36,7 +40,7 @@ class HandleTransport:
             async for chunk in gen:
                 yield chunk
         except Exception as e:
-            raise unwrap_remote(e) from None
+            raise self._typed(e) from None
         finally:
             # Leaving early (break, cancel) must abort the request in the engine.
             gen.cancel()

@@ -8,7 +8,7 @@ from typing import AsyncIterator, Optional, Sequence
 import httpx
 
 from rollout.api import RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult
-from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, RolloutError
+from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, OverloadedError, RolloutError, StaleWeightsError
 
 
 def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
@@ -25,6 +25,10 @@ def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
         raise AuthenticationError(message)
     if resp.status_code in (400, 404, 413, 422):
         raise InvalidRequestError(err.get("field", "request"), message)
+    if resp.status_code == 409 and err.get("type") == "stale_weights":
+        raise StaleWeightsError(message)
+    if resp.status_code == 429:
+        raise OverloadedError(message, float(resp.headers.get("retry-after") or 1.0))
     if resp.status_code == 503:
         raise EngineUnavailableError(message)
     raise RolloutError(f"HTTP {resp.status_code}: {message}")

@@ -21,7 +21,7 @@ from rollout.config import PlatformConfig
 from rollout.engine.load import ReplicaLoad
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, check_request
-from rollout.errors import EngineUnavailableError, InvalidRequestError, from_validation_error
+from rollout.errors import EngineUnavailableError, InvalidRequestError, StaleWeightsError, from_validation_error
 from rollout.logs import show_platform_logs
 from rollout.sync.version import INITIAL_VERSION_LABEL, version_of
 
@@ -178,15 +178,16 @@ class RolloutEngine:
         outputs = sorted(final.outputs, key=lambda c: c.index)
         self._served(len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
         samples = [to_sample(c) for c in outputs]
-        committed = self.sync.committed if self.sync is not None else 0
-        oldest = min((version_of(sp.version) for sample in samples for sp in sample.weight_versions), default=committed)
+        committed = self.sync.known_committed if self.sync is not None else 0
+        versions = [version_of(sp.version) for sample in samples for sp in sample.weight_versions]
         return RolloutResult(
             request_id=req.request_id,
             prompt_token_ids=prompt_ids,
             samples=samples,
             replica_id=self.replica_id,
             committed_version=committed,
-            staleness=max(0, committed - oldest),
+            # Unknown stays unknown: no spans, or a replica that lost the coordinator.
+            staleness=max(0, committed - min(versions)) if committed is not None and versions else None,
         )
 
     async def _admit(self, prepared: list[tuple[RolloutRequest, list[int]]], offset: int = 0) -> None:
@@ -197,13 +198,32 @@ class RolloutEngine:
         for i, (req, _) in enumerate(prepared, start=offset):
             if req.min_weight_version and self.sync is None:
                 raise InvalidRequestError(f"requests[{i}].min_weight_version", f"{req.min_weight_version}: weight sync is disabled; version 0 is all this platform serves")
+            if req.min_weight_version and self.sync is not None and not self.sync.may_arrive(req.min_weight_version):
+                # Held, it would pin a connection for sync.timeout_s and then fail anyway.
+                raise InvalidRequestError(
+                    f"requests[{i}].min_weight_version",
+                    f"{req.min_weight_version} is ahead of the committed version {self.sync.committed} and of any publish in progress; "
+                    "send it once the publish of that version has begun",
+                )
             wanted = max(wanted, req.min_weight_version or 0)
         if self.sync is None:
             return
+        lost = self.sync.coordinator_lost_s()
+        if lost is not None and (self.config.sync.max_staleness is not None or wanted > self.sync.version):
+            # Its staleness rule cannot be checked: a round may have committed without it.
+            raise StaleWeightsError(
+                f"replica {self.replica_id} has not reached the weight-sync coordinator for {lost:.0f}s and cannot vouch that "
+                f"version {self.sync.version} is recent enough ({self._version_rule(wanted)}); retry (another replica may serve it)"
+            )
         if self.config.sync.max_staleness is not None:
             wanted = max(wanted, self.sync.committed - self.config.sync.max_staleness)
         if wanted > self.sync.version:
             await self.sync.wait_for_version(wanted, self.config.sync.timeout_s)
+
+    def _version_rule(self, wanted: int) -> str:
+        if self.config.sync.max_staleness is not None:
+            return f"sync.max_staleness {self.config.sync.max_staleness}"
+        return f"min_weight_version {wanted}"
 
     async def generate(self, requests: Sequence[Any], offset: int = 0) -> list[RolloutResult]:
         """Run a batch of requests concurrently; results come back in request order.

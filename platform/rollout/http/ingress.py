@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 from ray import serve
 
-from rollout.api import RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
+from rollout.api import ErrorResponse, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
 from rollout.client.handle import HandleTransport
 from rollout.config import PlatformConfig
 from rollout.errors import (
     AuthenticationError,
     EngineUnavailableError,
     InvalidRequestError,
+    OverloadedError,
+    StaleWeightsError,
+    as_overloaded,
     loc_to_field,
     unwrap_remote,
 )
@@ -32,6 +37,24 @@ SESSION_HEADER = "X-Session-ID"  # what agent frameworks send to keep a conversa
 
 from rollout.http.routes_app import app  # noqa: E402  (the routes below and in rl_routes share it)
 from rollout.http.rl_routes import VllmRlRoutes  # noqa: E402
+
+
+# The error answers the schema documents (every one has an ErrorResponse body).
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request: `error.field` names the field."},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
+    409: {"model": ErrorResponse, "description": "The policy version the request needs (`min_weight_version`, `sync.max_staleness`) did not arrive in time (`StaleWeightsError`; retryable)."},
+    413: {"model": ErrorResponse, "description": "Body larger than `http.max_body_bytes`."},
+    429: {"model": ErrorResponse, "description": "Overloaded: the queue (`deployment.max_queued_requests`) is full; retry after `Retry-After` seconds."},
+    503: {"model": ErrorResponse, "description": "No engine can serve it now (retryable)."},
+}
+SYNC_ERRORS = {**{k: v for k, v in _ERRORS.items() if k != 409}, 409: {"model": ErrorResponse, "description": "The sync round was refused or failed; replicas keep the committed version."}}
+
+
+class NdjsonResponse(StreamingResponse):
+    """One JSON document per line (what the schema says the stream route answers)."""
+
+    media_type = "application/x-ndjson"
 
 
 def _error(status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -49,6 +72,17 @@ async def _on_schema_error(request: Request, exc: RequestValidationError) -> JSO
     return _error(400, f"{field}: {first.get('msg')}", field)
 
 
+@app.exception_handler(HTTPException)
+async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # FastAPI's own refusals (a body that is not JSON, an unknown route or method) in the
+    # same error body as every other answer.
+    field = "body" if exc.status_code == 400 else None
+    response = _error(exc.status_code, f"{field}: {exc.detail}" if field else str(exc.detail), field)
+    for name, value in (exc.headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
 @app.exception_handler(InvalidRequestError)
 async def _on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
     return _error(400, str(exc), exc.field)
@@ -62,6 +96,20 @@ async def _on_auth(request: Request, exc: AuthenticationError) -> JSONResponse:
 @app.exception_handler(SyncError)
 async def _on_sync_error(request: Request, exc: SyncError) -> JSONResponse:
     return _error(409, str(exc), kind="sync_error")
+
+
+@app.exception_handler(StaleWeightsError)
+async def _on_stale(request: Request, exc: StaleWeightsError) -> JSONResponse:
+    # The service is healthy; the policy version the request asked for is not served (yet):
+    # a conflict with the current state, to retry once that version is committed.
+    return _error(409, str(exc), kind="stale_weights")
+
+
+@app.exception_handler(OverloadedError)
+async def _on_overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
+    response = _error(429, str(exc), kind="overloaded")
+    response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return response
 
 
 @app.exception_handler(EngineUnavailableError)
@@ -120,8 +168,9 @@ class HttpIngress(VllmRlRoutes):
         if key is None:
             logger.warning("no API key configured (ROLLOUT_API_KEY or http.api_key_file): the HTTP API is open to anyone who can reach it")
         app.state.api_key = _ApiKey(key)
+        app.state.max_body_bytes = self.config.http.max_body_bytes
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: _ERRORS[503]})
     async def healthz(self) -> dict:
         try:
             await self.engine.stats()
@@ -129,19 +178,24 @@ class HttpIngress(VllmRlRoutes):
             raise EngineUnavailableError(f"no healthy engine replica: {e}") from None
         return {"status": "ok"}
 
-    @app.post("/v1/rollouts", dependencies=[Depends(require_key)])
+    @app.post("/v1/rollouts", dependencies=[Depends(require_key)], responses=_ERRORS)
     async def rollouts(self, batch: RolloutBatch) -> RolloutBatchResult:
         return RolloutBatchResult(results=await self.engine.generate(batch.requests))
 
-    @app.post("/v1/rollouts/stream", dependencies=[Depends(require_key)])
-    async def rollouts_stream(self, request: RolloutRequest) -> StreamingResponse:
+    @app.post(
+        "/v1/rollouts/stream",
+        dependencies=[Depends(require_key)],
+        response_class=NdjsonResponse,
+        responses={200: {"model": RolloutChunk, "description": "One `RolloutChunk` per line."}, **_ERRORS},
+    )
+    async def rollouts_stream(self, request: RolloutRequest) -> NdjsonResponse:
         _, chunks = await _first_then_rest(self.engine.stream(request))
 
         async def ndjson():
             async for c in chunks:
                 yield c.model_dump_json(exclude_none=True) + "\n"
 
-        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
+        return NdjsonResponse(ndjson())
 
     # ---- the OpenAI routes: vLLM's own server on the replica the router picks ----------
 
@@ -157,7 +211,7 @@ class HttpIngress(VllmRlRoutes):
         try:
             start = await parts.__anext__()
         except Exception as e:
-            raise unwrap_remote(e) from None
+            raise as_overloaded(unwrap_remote(e)) from None
 
         async def rest():
             async for chunk in parts:
@@ -202,15 +256,15 @@ class HttpIngress(VllmRlRoutes):
         except Exception as e:
             raise unwrap_remote(e) from None
 
-    @app.post("/v1/sync/rounds", dependencies=[Depends(require_key)])
+    @app.post("/v1/sync/rounds", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)
     async def sync_begin(self, body: BeginRoundBody, request: Request) -> dict:
         plan = await self._call_coordinator("begin_round", request.headers.get(SYNC_TOKEN_HEADER), body.request())
         return PLAN.dump_python(plan, mode="json")
 
-    @app.post("/v1/sync/rounds/{round_id}/finish", dependencies=[Depends(require_key)])
+    @app.post("/v1/sync/rounds/{round_id}/finish", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)
     async def sync_finish(self, round_id: str, body: FinishBody) -> dict:
         return OUTCOME.dump_python(await self._call_coordinator("finish", round_id, body.error), mode="json")
 
-    @app.get("/v1/sync/status", dependencies=[Depends(require_key)])
+    @app.get("/v1/sync/status", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)
     async def sync_status(self) -> dict:
         return await self._call_coordinator("status")

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Optional
 
 from rollout.errors import StaleWeightsError
 from rollout.sync.backends import get_backend
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
-from rollout.sync.protocol import Control, Reregister, RoundOutcome, RoundPlan, SessionPlan
+from rollout.sync.protocol import POLL_S, SILENT_POLLS, Control, Reregister, RoundOutcome, RoundPlan, SessionPlan
 from rollout.sync.version import version_of
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,12 @@ class SyncAgent:
         # What a trainer asked through vLLM's routes (/pause, /reset_prefix_cache), as applied here.
         self.control = Control()
         self._reset_ok = True
+        # Last answer from the coordinator; past `lost_after_s` without one, the coordinator
+        # may have dropped this replica and committed without it.
+        self.lost_after_s = SILENT_POLLS * POLL_S
+        self._last_contact = time.monotonic()
+        self._lost_logged = False
+        self._incoming: Optional[RoundPlan] = None  # the publish round this replica is in
 
     @property
     def held(self) -> bool:
@@ -75,6 +82,44 @@ class SyncAgent:
         self._version_changed.set()
         self._version_changed = asyncio.Event()
 
+    def _heard_from_coordinator(self) -> None:
+        self._last_contact = time.monotonic()
+        if self._lost_logged:
+            logger.info("replica %s: the coordinator answers again", self.replica_id)
+            self._lost_logged = False
+
+    def coordinator_lost_s(self) -> Optional[float]:
+        """Seconds since the coordinator last answered, once past ``lost_after_s``; else None."""
+        if self._incoming is not None:
+            return None  # in a round the coordinator opened (it does not poll meanwhile); the round's deadline bounds it
+        silent = time.monotonic() - self._last_contact
+        if silent <= self.lost_after_s:
+            return None
+        if not self._lost_logged:
+            logger.error(
+                "replica %s: no answer from the weight-sync coordinator for %.0fs: the committed version is unknown; "
+                "requests that need a version check are refused until it answers",
+                self.replica_id,
+                silent,
+            )
+            self._lost_logged = True
+        return silent
+
+    @property
+    def known_committed(self) -> Optional[int]:
+        """The committed version as far as this replica can vouch for it: None while the
+        coordinator is lost (a round may have committed without this replica)."""
+        return None if self.coordinator_lost_s() is not None else self.committed
+
+    def may_arrive(self, version: int) -> bool:
+        """Whether ``version`` can come without a publish that has not begun: the next
+        version (a publisher's default), or the one the round in progress commits (a route
+        session names its version only at the end, so any)."""
+        if version <= max(self.version, self.committed) + 1:
+            return True
+        plan = self._incoming
+        return plan is not None and not plan.restore and (plan.session or version <= plan.version)
+
     async def wait_for_version(self, version: int, timeout_s: float) -> None:
         """Return once this replica serves ``version`` or newer; raise
         :class:`StaleWeightsError` after ``timeout_s``."""
@@ -104,6 +149,7 @@ class SyncAgent:
 
     async def _register(self) -> int:
         committed = await self.coordinator.register.remote(self.replica_id, self.ranks, self.version, self.params)
+        self._heard_from_coordinator()
         self.committed = max(self.committed, committed)
         return committed
 
@@ -111,10 +157,12 @@ class SyncAgent:
         while True:
             try:
                 plan = await self.coordinator.next_round.remote(self.replica_id, self.version, self.control, self._reset_ok)
-            except Exception as e:
-                logger.warning("replica %s: coordinator unreachable (%s); retrying", self.replica_id, e)
+            except Exception as e:  # any failure of the call: the coordinator restarting, gone, or its node lost
+                logger.warning("replica %s: coordinator unreachable (%s: %s); retrying", self.replica_id, type(e).__name__, e)
+                self.coordinator_lost_s()  # logs once when the silence passes the bound
                 await asyncio.sleep(1.0)
                 continue
+            self._heard_from_coordinator()
             if plan is None:
                 continue
             if isinstance(plan, Reregister):
@@ -127,10 +175,13 @@ class SyncAgent:
                 await self._join_session(plan)
                 continue
             try:
+                self._incoming = plan
                 consistent = await self._apply(plan)
             except Exception:
                 logger.exception("replica %s: %s failed unexpectedly; restoring the committed weights", self.replica_id, plan.round_id)
                 consistent = False
+            finally:
+                self._incoming = None
             if not consistent and not self.broken:
                 await self._restore()
 
@@ -297,10 +348,12 @@ class SyncAgent:
         """The round's decision; an unreachable coordinator counts as an abort, so the
         weights are restored rather than trusted."""
         try:
-            return await self.coordinator.report.remote(plan.round_id, self.replica_id, error)
+            outcome = await self.coordinator.report.remote(plan.round_id, self.replica_id, error)
         except Exception as e:
             logger.error("replica %s: reporting %s failed (%s); treating it as aborted", self.replica_id, plan.round_id, e)
             return RoundOutcome(plan.round_id, False, -1, f"report failed: {e}", [self.replica_id])
+        self._heard_from_coordinator()
+        return outcome
 
     async def _close_update(self, timeout_s: float) -> None:
         # End vLLM's update session so the restore round can start a fresh one; the

@@ -23,7 +23,7 @@ from rollout.errors import AuthenticationError, InvalidRequestError
 from rollout.logs import show_platform_logs
 from rollout.sync import net
 from rollout.sync.backends import get_backend
-from rollout.sync.protocol import REREGISTER, Control, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SessionPlan, SyncError
+from rollout.sync.protocol import POLL_S, REREGISTER, SILENT_POLLS, Control, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SessionPlan, SyncError
 from rollout.sync.rules import assign_ranks, check_spec
 from rollout.sync.sessions import RouteSessions
 
@@ -104,7 +104,7 @@ class WeightSyncCoordinator(RouteSessions):
         self._token = os.environ.get(self.config.sync.token_env) or None
         if self._token is None:
             logger.warning("%s is not set: any client that reaches the coordinator can publish weights", self.config.sync.token_env)
-        self.poll_s = 5.0
+        self.poll_s = POLL_S
         self._departed: list[str] = []
         self.keeper = None
         if get_backend(backend).keeps_copy:
@@ -172,7 +172,7 @@ class WeightSyncCoordinator(RouteSessions):
         return None
 
     def _live(self) -> dict[str, int]:
-        horizon = time.monotonic() - 3 * self.poll_s
+        horizon = time.monotonic() - SILENT_POLLS * self.poll_s
         # A member of the undecided round is busy in it (receiving, or blocked in report()
         # until the decision) and does not poll; the round's deadline bounds how long.
         rnd = self.round
@@ -474,8 +474,12 @@ class WeightSyncCoordinator(RouteSessions):
             try:
                 await asyncio.wait_for(rnd.all_applied.wait(), timeout=rnd.plan.timeout_s)
             except asyncio.TimeoutError:
-                late = sorted({m.replica_id for m in rnd.plan.members} - rnd.applied)
-                logger.warning("%s committed; %s did not confirm serving it within %ss", round_id, late, rnd.plan.timeout_s)
+                # The version stays committed (every member received it); the publisher's
+                # outcome names who does not serve it yet instead of claiming they all do.
+                rnd.outcome.unconfirmed = sorted({m.replica_id for m in rnd.plan.members} - rnd.applied)
+                logger.warning("%s committed; %s did not confirm serving it within %ss", round_id, rnd.outcome.unconfirmed, rnd.plan.timeout_s)
+                if self.metrics is not None:
+                    self.metrics.unconfirmed(len(rnd.outcome.unconfirmed))
         return rnd.outcome
 
     async def applied(self, round_id: str, replica_id: str, version: int, phases: Optional[dict[str, float]] = None) -> None:

@@ -17,6 +17,13 @@ DEFAULT_BUCKET_BYTES = 32 << 20  # bytes per packed bucket (sync.bucket_bytes)
 
 PauseMode = Literal["keep", "wait", "abort"]
 
+# Replicas long-poll the coordinator: each poll returns after at most POLL_S. One silent
+# for SILENT_POLLS polls is dropped from membership, and a round may commit without it;
+# so a replica that has not reached the coordinator for as long no longer knows the
+# committed version.
+POLL_S = 5.0
+SILENT_POLLS = 3
+
 # Bytes per element of the dtypes a checkpoint may hold (torch's names, no "torch." prefix).
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
@@ -167,6 +174,9 @@ class RoundOutcome:
     version: int
     error: str = ""
     failed_replicas: list[str] = field(default_factory=list)
+    # Members of a committed round that did not confirm serving it within the step deadline:
+    # they serve an older version until they catch up (their lag shows in metrics).
+    unconfirmed: list[str] = field(default_factory=list)
     # replica -> seconds per step of the round (pause, join, receive, ...), as each reports
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
 

@@ -94,7 +94,10 @@ class WeightPublisher:
         return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token))
 
     def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None) -> int:
-        """Send weights to every live replica; return the committed version.
+        """Send weights to every live replica; return the committed version once every
+        replica serves it. A replica that does not confirm within the step deadline
+        (``sync.timeout_s``) does not hold the trainer longer: the version stays committed,
+        a warning names the replica and ``last_outcome.unconfirmed`` lists it.
 
         ``checkpoint``: an absolute path where these same weights are saved (HF
         safetensors, e.g. ``save_pretrained``) on storage every replica can read. Once
@@ -141,6 +144,12 @@ class WeightPublisher:
         if not outcome.committed:
             raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
         self.last_sync_s = t_done - t0
+        if outcome.unconfirmed:
+            logger.warning(
+                "version %d committed, but %s did not confirm serving it within the step deadline (last_outcome.unconfirmed)",
+                outcome.version,
+                outcome.unconfirmed,
+            )
         return outcome.version
 
     def _platform_backend(self) -> str:
