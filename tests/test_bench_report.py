@@ -64,3 +64,20 @@ def test_paired_ratios_cancel_drift_that_both_paths_see():
     # Scattered ratios give an interval around the median that a rerun may land in.
     lo, hi = median_interval([0.8, 0.9, 1.0, 1.1, 1.2, 0.95, 1.05])
     assert lo < 1.0 < hi and median_interval([0.8, 0.9, 1.0, 1.1, 1.2, 0.95, 1.05]) == (lo, hi)
+
+
+def test_the_soak_section_says_which_checks_failed_and_counts_every_outcome(tmp_path):
+    soak = {
+        "duration_s": 120, "fault_period_s": 20, "replicas": 2, "hung": 1, "lost": 0,
+        "checks": {"no call hung": False, "no call lost": True},
+        "passed": False,
+        "publishes": {"committed": 9, "failed": 1, "failures": ["SyncError: round aborted"]},
+        "uncommitted_versions_seen": [],
+        "calls": {"batch": {"ok": 10, "ReplicaLostError": 2}, "openai": {"ok": 3, "untyped": 1}},
+        "faults": [{"fault": "kill_ingress", "at_s": 10.0, "serving_again_s": 0.5, "full_strength_s": 9.0}],
+        "memory_by_role": {"vllm worker": {"start_mb": 1, "end_mb": 2, "max_process_growth_mb": 1}},
+    }
+    text = "\n".join(report.soak(soak))
+    assert "**failed: no call hung**" in text and "failed 1 (`SyncError`)" in text
+    assert "| batch | 10 | ReplicaLostError 2 | 0 |" in text and "| openai | 3 | 0 | 1 |" in text
+    assert "| kill_ingress | 10 s | 0.5 s | 9.0 s |" in text

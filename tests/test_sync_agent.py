@@ -182,7 +182,15 @@ def replica_with(agent, max_staleness=None):
     r = object.__new__(RolloutEngine)  # the admission rule only: no vLLM engine behind it
     r.config = load_config({"model": {"path": "/models/x"}, "sync": {"max_staleness": max_staleness}}, environ={})
     r.replica_id, r.sync = "r", agent
+    r.engine = LiveEngine()
     return r
+
+
+class LiveEngine:
+    errored = False
+
+    def shutdown(self):
+        pass
 
 
 async def test_a_replica_that_lost_the_coordinator_stops_vouching_for_its_version(model_dir):
@@ -260,3 +268,35 @@ async def test_a_version_no_publish_in_progress_can_bring_is_refused_at_once_not
     await coordinator.register("r", 1, 1, specs)
     agent._incoming = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1, version=296))
     assert agent.may_arrive(296) and not agent.may_arrive(297)
+
+
+async def test_with_no_copy_to_restore_from_a_replica_waits_paused_for_the_next_publish_instead_of_being_replaced(model_dir):
+    # Before: it was marked broken, Serve replaced it, and the replacement (which could not
+    # catch up either) was replaced again, until a publish happened to land.
+    from rollout.errors import NotServingError
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5}}, "nccl")
+    coordinator._token = None
+    specs = checkpoint_spec(str(model_dir))
+    await coordinator.register("a", 1, 3, specs)  # a restarted coordinator learns version 3 from a replica
+    engine = RecordingEngine()
+    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="b", ranks=1, model_path=str(model_dir))
+    await agent.start()  # behind: restore, but nccl keeps no copy and no checkpoint was named
+    agent.stop()
+    assert not agent.broken and "next publish" in agent.awaiting_publish
+    assert [c[0] for c in engine.calls] == ["pause_generation"]
+    with pytest.raises(NotServingError, match="next publish"):
+        replica_with(agent)._raise_if_not_serving()
+
+    # The next publish carries the full model to every member, b included: whole again.
+    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
+    applying = asyncio.create_task(agent._apply(plan))
+    asyncio.create_task(coordinator.report(plan.round_id, "a", None))
+    finish = asyncio.create_task(coordinator.finish(plan.round_id))
+    await asyncio.sleep(0.1)
+    await coordinator.applied(plan.round_id, "a", 4)
+    assert await asyncio.wait_for(applying, 5) and (await finish).committed
+    assert agent.version == 4 and agent.awaiting_publish is None and engine.calls[-1][0] == "resume_generation"
+    replica_with(agent)._raise_if_not_serving()

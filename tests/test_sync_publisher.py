@@ -28,3 +28,20 @@ def test_a_publisher_that_asks_for_another_backend_than_the_platforms_fails_befo
     with pytest.raises(SyncError, match="syncs over 'gloo', not 'nccl'"):
         publisher.publish({"w": torch.zeros(2)})
     assert coordinator.opened == 0
+
+
+def test_a_coordinator_that_dies_mid_call_is_a_typed_sync_error_not_a_ray_error():
+    # Before: publish() raised Ray's ActorDiedError, which a trainer catching SyncError missed.
+    from ray.exceptions import ActorDiedError
+
+    from rollout.sync.remote import HandleCoordinator
+
+    class Dying:
+        def result(self, timeout_s=None):
+            raise ActorDiedError()
+
+    class Handle:
+        finish = type("Method", (), {"remote": staticmethod(lambda *args: Dying())})
+
+    with pytest.raises(SyncError, match="died during finish.*may have committed"):
+        HandleCoordinator(Handle()).finish("round-1", None)

@@ -114,6 +114,9 @@ def test_update_info_and_versions_are_checked_naming_the_field():
         parse_update_info({**UPDATE, "shapes": None})
     with pytest.raises(InvalidRequestError, match="same length"):
         parse_update_info({**UPDATE, "names": ["w", "v"]})
+    # Pickles from the network would run code in every engine (vLLM's IPC engine unpickles them).
+    with pytest.raises(InvalidRequestError, match="update_info.ipc_handles_pickled: pickled data is not accepted"):
+        parse_update_info({**UPDATE, "ipc_handles_pickled": "gASV..."})
     assert parse_version(None, 3) == 4 and parse_version("9", 3) == 9
     with pytest.raises(InvalidRequestError, match="weight_version"):
         parse_version("3", 3)

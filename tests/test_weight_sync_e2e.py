@@ -15,6 +15,7 @@ import ray
 import torch
 
 from rollout.api import RolloutRequest, SamplingConfig
+from rollout.client import RolloutClient
 from rollout.errors import AuthenticationError, InvalidRequestError
 from rollout.sync import WeightPublisher
 from tests.conftest import KV_BYTES, MAX_MODEL_LEN, SYNC_TOKEN
@@ -383,6 +384,13 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
                 raise AssertionError(proc.stderr.read()[-2000:])
             if "SENT HALF" in line:
                 break
+        # Rollouts in flight on both replicas (held: generation pauses for the round), one
+        # request a call so the calls spread; the victim's die with it and are retried.
+        expected = ray.get(reference_v1.greedy.remote(PROMPTS, 16, ignore_eos=True))
+        spread = RolloutClient.connect(app_name=platform.app_name, batch_size=1)
+        in_flight = asyncio.create_task(spread.generate([greedy(p, 16, f"in-flight-{i}-{j}") for j in range(3) for i, p in enumerate(PROMPTS)]))
+        await asyncio.sleep(2)
+        assert not in_flight.done()
         ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
         go.write_text("go")
         await asyncio.to_thread(proc.wait, 300)
@@ -390,7 +398,13 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
         proc.kill()
     outcome = await _wait_for_outcome(publisher, committed)
     assert not outcome["committed"]
-    expected = ray.get(reference_v1.greedy.remote(PROMPTS, 16, ignore_eos=True))
+    # Nothing lost: every request of the batch answered, those on the dead replica by the survivor.
+    results = await asyncio.wait_for(in_flight, 300)
+    assert spread.retried_calls >= 1, "some calls were on the victim"
+    for r, want in zip(results, expected * 3):
+        assert r.replica_id != victim_id and r.samples[0].token_ids == want
+        assert [s.version for s in r.samples[0].weight_versions] == [str(committed)]
+    spread.close()
 
     async def all_replicas_on_committed():
         s = await asyncio.to_thread(publisher.status)

@@ -151,6 +151,16 @@ def _monitoring_assets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args) -> int:
+    from rollout.modelbuild import build_model, is_built
+    from rollout.soak import run_soak
+
+    model = Path(args.model)
+    if not is_built(model):
+        build_model(model)
+    return run_soak(model, Path(args.out), args.duration, args.fault_period)
+
+
 def main(argv: list[str] | None = None) -> int:
     from rollout.modelbuild import SIZES
 
@@ -181,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="build/bench")
     bench.add_argument("--only", nargs="*", help="run only these benchmarks (engine_throughput, weight_sync, scaling)")
     bench.set_defaults(func=_bench)
+    sk = sub.add_parser("soak", help="mixed load with weight publishes and injected faults on a local platform; a JSON report")
+    sk.add_argument("--model", default="build/model")
+    sk.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 10 minutes)")
+    sk.add_argument("--fault-period", type=float, default=40.0, help="seconds between injected faults")
+    sk.add_argument("--out", default="build/soak/soak.json")
+    sk.set_defaults(func=_soak)
     br = sub.add_parser("bench-report", help="render the README's benchmark section from the benchmark JSON (docs/bench)")
     br.add_argument("--results", help="folder of <benchmark>.json (default: docs/bench)")
     br.add_argument("--readme", help="rewrite this file's section instead of printing it")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 from pydantic import ValidationError
 
@@ -43,6 +43,33 @@ class EngineUnavailableError(RolloutError):
 
 class StaleWeightsError(EngineUnavailableError):
     """The replica did not reach the policy version a request needs in time (retryable)."""
+
+
+class NotServingError(EngineUnavailableError):
+    """The replica is up but holds no weights it can serve (it waits for the next publish):
+    refused before any work, so another replica may take the call."""
+
+
+class ReplicaLostError(EngineUnavailableError):
+    """The engine replica serving a request died (retryable). A call whose requests had
+    returned no token is retried once on another replica before this is raised; a stream
+    that had already produced tokens carries them: ``tokens_so_far`` maps each sample's
+    index to its token ids."""
+
+    def __init__(self, message: str, tokens_so_far: Optional[dict[int, list[int]]] = None):
+        self.tokens_so_far = dict(tokens_so_far or {})
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.tokens_so_far))
+
+
+def replica_lost(err: BaseException) -> bool:
+    """Whether ``err`` (unwrapped) says the replica serving the call died, cannot be reached,
+    or refused it before any work (``NotServingError``): another replica may serve it."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    return isinstance(unwrap_remote(err), (ActorDiedError, ActorUnavailableError, NotServingError))
 
 
 class OverloadedError(EngineUnavailableError):

@@ -106,10 +106,41 @@ def scaling(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _failure_kinds(failures: list[str]) -> str:
+    kinds = sorted({f.split(":", 1)[0] for f in failures})
+    return f" ({', '.join(f'`{k}`' for k in kinds)})" if kinds else ""
+
+
+def soak(r: dict[str, Any]) -> list[str]:
+    failed = [name for name, ok in r["checks"].items() if not ok]
+    lines = [
+        f"**soak** ({r['duration_s']:.0f} s of mixed load on {r['replicas']} engine replicas, a fault every {r['fault_period_s']:.0f} s, "
+        f"weights published back to back): **{'passed' if r['passed'] else 'failed: ' + ', '.join(failed)}** "
+        f"({'; '.join(r['checks'])}). Hung calls: {r['hung']}; lost: {r['lost']}; publishes committed {r['publishes']['committed']}, "
+        f"failed {r['publishes']['failed']}{_failure_kinds(r['publishes']['failures'])}; versions served that were never committed: "
+        f"{len(r['uncommitted_versions_seen'])}.",
+        "",
+        "| calls | answered | typed retryable failures | other failures |",
+        "|---|---|---|---|",
+    ]
+    for path, counts in r["calls"].items():
+        ok = sum(n for k, n in counts.items() if k == "ok" or k.startswith("cancelled"))
+        typed = ", ".join(f"{k} {n}" for k, n in counts.items() if k != "ok" and not k.startswith("cancelled") and not k.startswith("untyped")) or "0"
+        other = sum(n for k, n in counts.items() if k.startswith("untyped"))
+        lines.append(f"| {path} | {ok:,} | {typed} | {other} |")
+    lines += ["", "| fault | at | serving again after | full strength after |", "|---|---|---|---|"]
+    for f in r["faults"]:
+        lines.append(f"| {f['fault']} | {f['at_s']:.0f} s | {f['serving_again_s']} s | {f['full_strength_s']} s |")
+    growth = sorted(r["memory_by_role"].items(), key=lambda kv: -kv[1]["max_process_growth_mb"])[:4]
+    lines += ["", "Largest growth of one process from warm-up to end, by role: " + ", ".join(f"{role} {m['max_process_growth_mb']} MiB" for role, m in growth) + "."]
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_throughput": engine_throughput,
     "weight_sync": weight_sync,
     "scaling": scaling,
+    "soak": soak,
 }
 
 

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 from pydantic import ValidationError
 
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
-from rollout.client.transport import Transport
+from rollout.client.transport import DEFAULT_TIMEOUT_S, Transport
 from rollout.errors import from_validation_error
 
 logger = logging.getLogger(__name__)
@@ -61,18 +61,27 @@ class RolloutClient:
         self.description = description
 
     @classmethod
-    def connect(cls, app_name: str = "rollout", deployment: str = "RolloutEngine", batch_size: int = 64) -> "RolloutClient":
-        """A client over a Serve handle; call from a process attached to the Ray cluster."""
+    def connect(
+        cls, app_name: str = "rollout", deployment: str = "RolloutEngine", batch_size: int = 64, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> "RolloutClient":
+        """A client over a Serve handle; call from a process attached to the Ray cluster.
+        ``timeout_s`` bounds each call (a stream: each chunk); past it, the call is
+        aborted in the engine and raises the retryable ``EngineUnavailableError``."""
         from rollout.client.handle import HandleTransport
 
-        return cls(lambda: HandleTransport.from_app(app_name, deployment, batch_size), f"serve://{app_name}/{deployment}")
+        return cls(lambda: HandleTransport.from_app(app_name, deployment, batch_size, timeout_s), f"serve://{app_name}/{deployment}")
 
     @classmethod
-    def http(cls, base_url: str, api_key: Optional[str] = None, timeout_s: float = 600.0) -> "RolloutClient":
+    def http(cls, base_url: str, api_key: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "RolloutClient":
         """A client over the HTTP ingress, from outside the Ray cluster."""
         from rollout.client.http import HttpTransport
 
         return cls(lambda: HttpTransport(base_url, api_key, timeout_s), base_url)
+
+    @property
+    def retried_calls(self) -> int:
+        """Calls re-sent to another replica after theirs died before returning a token."""
+        return sum(getattr(t, "retried_calls", 0) for t in self._transports.values())
 
     def _transport(self) -> Transport:
         key = id(asyncio.get_running_loop())

@@ -2,48 +2,94 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import AsyncIterator, Sequence
 
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
 from rollout.batching import fan_out
-from rollout.errors import as_overloaded, unwrap_remote
+from rollout.client.transport import DEFAULT_TIMEOUT_S
+from rollout.errors import EngineUnavailableError, ReplicaLostError, as_overloaded, replica_lost, unwrap_remote
+
+logger = logging.getLogger(__name__)
 
 
 class HandleTransport:
-    def __init__(self, handle, batch_size: int):
+    def __init__(self, handle, batch_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         self._handle = handle
         self._stream_handle = self._handle.options(stream=True)
         self._batch_size = batch_size
+        self._timeout_s = timeout_s
+        self.retried_calls = 0  # calls re-sent after their replica died
+
+    async def _within_deadline(self, awaitable, what: str):
+        # Cancelling a Serve call (which the timeout does) aborts its requests in the engine.
+        try:
+            return await asyncio.wait_for(awaitable, self._timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailableError(f"{what}: no answer within {self._timeout_s:g}s (the client's timeout_s)") from None
 
     @staticmethod
-    def _typed(e: BaseException) -> BaseException:
-        return as_overloaded(unwrap_remote(e))
+    def _typed(e: BaseException, tokens_so_far: dict[int, list[int]] | None = None) -> BaseException:
+        cause = unwrap_remote(e)
+        if isinstance(cause, EngineUnavailableError):
+            return cause  # ours already (NotServingError included)
+        if replica_lost(cause):
+            return ReplicaLostError(f"the engine replica serving the request died: {cause}", tokens_so_far)
+        return as_overloaded(cause)
+
+    def _retrying(self, what: str, e: BaseException) -> None:
+        # Serve's router has marked the dead replica; the retry goes to another one.
+        self.retried_calls += 1
+        logger.warning("%s: its engine replica died or refused it before returning a token (%s); retrying once on another replica", what, type(unwrap_remote(e)).__name__)
 
     @classmethod
-    def from_app(cls, app_name: str, deployment: str, batch_size: int) -> "HandleTransport":
+    def from_app(cls, app_name: str, deployment: str, batch_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "HandleTransport":
         from ray import serve
 
-        return cls(serve.get_deployment_handle(deployment, app_name=app_name), batch_size)
+        return cls(serve.get_deployment_handle(deployment, app_name=app_name), batch_size, timeout_s)
 
     async def _call(self, chunk: Sequence[RolloutRequest], offset: int) -> list[RolloutResult]:
-        try:
-            return await self._handle.generate.remote(list(chunk), offset)
-        except Exception as e:
-            raise self._typed(e) from None
+        for attempt in (1, 2):
+            try:
+                return await self._within_deadline(self._handle.generate.remote(list(chunk), offset), f"requests[{offset}:{offset + len(chunk)}]")
+            except EngineUnavailableError:
+                raise
+            except Exception as e:
+                # Nothing of a unary call reached the caller: sampling it again elsewhere is safe.
+                if attempt == 1 and replica_lost(e):
+                    self._retrying(f"requests[{offset}:{offset + len(chunk)}]", e)
+                    continue
+                raise self._typed(e) from None
+        raise AssertionError("unreachable")
 
     async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
         return await fan_out(self._call, requests, self._batch_size)
 
     async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
-        gen = self._stream_handle.generate_stream.remote(request)
-        try:
-            async for chunk in gen:
-                yield chunk
-        except Exception as e:
-            raise self._typed(e) from None
-        finally:
-            # Leaving early (break, cancel) must abort the request in the engine.
-            gen.cancel()
+        sent: dict[int, list[int]] = {}  # sample index -> token ids already yielded
+        for attempt in (1, 2):
+            gen = self._stream_handle.generate_stream.remote(request)
+            chunks = gen.__aiter__()
+            try:
+                while True:
+                    try:
+                        chunk = await self._within_deadline(chunks.__anext__(), f"stream {request.request_id}")
+                    except StopAsyncIteration:
+                        return
+                    sent.setdefault(chunk.index, []).extend(chunk.token_ids)
+                    yield chunk
+            except EngineUnavailableError:
+                raise
+            except Exception as e:
+                # Only a stream that yielded nothing may start over: tokens already out can't be unsent.
+                if attempt == 1 and not sent and replica_lost(e):
+                    self._retrying(f"stream {request.request_id}", e)
+                    continue
+                raise self._typed(e, sent) from None
+            finally:
+                # Leaving early (break, cancel) must abort the request in the engine.
+                gen.cancel()
 
     async def stats(self):
         return await self._handle.stats.remote()

@@ -8,7 +8,7 @@ from typing import AsyncIterator, Optional, Sequence
 import httpx
 
 from rollout.api import RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult
-from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, OverloadedError, RolloutError, StaleWeightsError
+from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, OverloadedError, ReplicaLostError, RolloutError, StaleWeightsError
 
 
 def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
@@ -31,6 +31,11 @@ def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
         raise OverloadedError(message, float(resp.headers.get("retry-after") or 1.0))
     if resp.status_code == 503:
         raise EngineUnavailableError(message)
+    if resp.status_code >= 500:
+        # The ingress answers every failure it knows with a 4xx or 503; any other 5xx is the
+        # serving path itself failing (Serve's proxy answers 500 when the ingress replica dies
+        # mid-request): retryable.
+        raise EngineUnavailableError(f"HTTP {resp.status_code} from the serving path: {message}")
     raise RolloutError(f"HTTP {resp.status_code}: {message}")
 
 
@@ -41,18 +46,30 @@ class HttpTransport:
 
     async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
         body = RolloutBatch(requests=list(requests)).model_dump(mode="json", exclude_none=True)
-        resp = await self._client.post("/v1/rollouts", json=body)
+        try:
+            resp = await self._client.post("/v1/rollouts", json=body)
+        except httpx.TimeoutException as e:
+            raise EngineUnavailableError(f"/v1/rollouts: no answer within the client's timeout_s ({type(e).__name__})") from None
+        except httpx.TransportError as e:
+            raise EngineUnavailableError(f"/v1/rollouts: the connection to the ingress broke ({type(e).__name__}: {e})") from None
         raise_for_error(resp)
         return RolloutBatchResult.model_validate_json(resp.content).results
 
     async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
         body = request.model_dump(mode="json", exclude_none=True)
-        async with self._client.stream("POST", "/v1/rollouts/stream", json=body) as resp:
-            if resp.status_code >= 400:
-                raise_for_error(resp, await resp.aread())
-            async for line in resp.aiter_lines():
-                if line.strip():
-                    yield RolloutChunk.model_validate_json(line)
+        sent: dict[int, list[int]] = {}  # sample index -> token ids already yielded
+        try:
+            async with self._client.stream("POST", "/v1/rollouts/stream", json=body) as resp:
+                if resp.status_code >= 400:
+                    raise_for_error(resp, await resp.aread())
+                async for line in resp.aiter_lines():
+                    if line.strip():
+                        chunk = RolloutChunk.model_validate_json(line)
+                        sent.setdefault(chunk.index, []).extend(chunk.token_ids)
+                        yield chunk
+        except httpx.TransportError as e:
+            # A stream cut mid-way (the ingress or its replica died): typed, with what arrived.
+            raise ReplicaLostError(f"/v1/rollouts/stream broke off ({type(e).__name__}: {e})", sent) from None
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -6,6 +6,10 @@ from typing import AsyncIterator, Protocol, Sequence
 
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
 
+# How long a client waits for a call's answer (a stream: for its next chunk) before it
+# gives up with a retryable error; the same default over HTTP and over a Serve handle.
+DEFAULT_TIMEOUT_S = 600.0
+
 
 class Transport(Protocol):
     async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]: ...

@@ -48,7 +48,7 @@ class _KvSampler:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=60)  # the sampler stops after its current stats call
 
 
 def _prompts(n: int, rng: random.Random) -> list[str]:

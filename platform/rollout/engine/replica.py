@@ -21,7 +21,7 @@ from rollout.config import PlatformConfig
 from rollout.engine.load import ReplicaLoad
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, check_request
-from rollout.errors import EngineUnavailableError, InvalidRequestError, StaleWeightsError, from_validation_error
+from rollout.errors import EngineUnavailableError, InvalidRequestError, NotServingError, StaleWeightsError, from_validation_error
 from rollout.logs import show_platform_logs
 from rollout.sync.version import INITIAL_VERSION_LABEL, version_of
 
@@ -156,6 +156,13 @@ class RolloutEngine:
         if self.sync is not None and self.sync.broken:
             raise EngineUnavailableError(f"replica {self.replica_id}: {self.sync.broken}")
 
+    def _raise_if_not_serving(self) -> None:
+        """Before any work: dead, broken, or alive but waiting for the next publish (its
+        health check passes; its requests are refused at once, retryably)."""
+        self._raise_if_dead()
+        if self.sync is not None and self.sync.awaiting_publish:
+            raise NotServingError(f"replica {self.replica_id}: {self.sync.awaiting_publish}")
+
     # ---- generation -------------------------------------------------------------
 
     def _count(self, outcome: str, n: int = 1) -> None:
@@ -233,7 +240,7 @@ class RolloutEngine:
         in the caller's whole batch, so errors name the caller's index. Cancelling the call aborts every request
         of the batch in the engine.
         """
-        self._raise_if_dead()
+        self._raise_if_not_serving()
         try:
             prepared = self._prepare(requests, offset)
         except InvalidRequestError:
@@ -266,7 +273,7 @@ class RolloutEngine:
         """Stream one request's tokens as they are produced (``n`` samples interleaved)."""
         from rollout.engine.convert import to_chunk, to_sampling_params
 
-        self._raise_if_dead()
+        self._raise_if_not_serving()
         try:
             ((req, prompt_ids),) = self._prepare([request])
         except InvalidRequestError:
@@ -302,7 +309,7 @@ class RolloutEngine:
         """
         from rollout.engine.openai_app import call_asgi
 
-        self._raise_if_dead()
+        self._raise_if_not_serving()
         self._enter(1)
         first = self._weight_version_label()
         try:

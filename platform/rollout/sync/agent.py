@@ -17,11 +17,11 @@ import logging
 import time
 from typing import Any, Optional
 
-from rollout.errors import StaleWeightsError
+from rollout.errors import StaleWeightsError, unwrap_remote
 from rollout.sync.backends import get_backend
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
-from rollout.sync.protocol import POLL_S, SILENT_POLLS, Control, Reregister, RoundOutcome, RoundPlan, SessionPlan
+from rollout.sync.protocol import POLL_S, SILENT_POLLS, Control, NoCommittedCopyError, NotRegisteredError, Reregister, RoundOutcome, RoundPlan, SessionPlan
 from rollout.sync.version import version_of
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,10 @@ class SyncAgent:
         # The newest committed version this replica has heard of (registration, rounds).
         self.committed = 0
         self._broken: Optional[str] = None
+        # Paused without weights it can vouch for, and nothing to restore from: it stays up,
+        # registered and refusing requests until a publish brings every member whole weights
+        # (replacing it would start a replica that cannot catch up either).
+        self.awaiting_publish: Optional[str] = None
         self._task: Optional[asyncio.Task] = None
         # What a trainer asked through vLLM's routes (/pause, /reset_prefix_cache), as applied here.
         self.control = Control()
@@ -231,20 +235,41 @@ class SyncAgent:
             await self._restore()
 
     async def _restore(self) -> None:
-        """Load the committed weights from the coordinator's copy; on failure stay broken
-        (paused, failing health checks) so Serve replaces this replica."""
-        try:
-            plan = await self.coordinator.restore.remote(self.replica_id)
-            if await self._apply(plan) and self.version == plan.version:
-                return
-            reason = f"restore round {plan.round_id} failed"
-        except Exception as e:
-            reason = f"restore failed: {type(e).__name__}: {e}"
+        """Load the committed weights from the coordinator's copy. With no copy to load,
+        wait (paused) for the next publish; on any other failure stay broken (paused,
+        failing health checks) so Serve replaces this replica."""
+        reason = "restore failed"
+        for attempt in (1, 2):
+            try:
+                plan = await self.coordinator.restore.remote(self.replica_id)
+                if await self._apply(plan) and self.version == plan.version:
+                    return
+                reason = f"restore round {plan.round_id} failed"
+            except Exception as e:
+                cause = unwrap_remote(e)
+                if isinstance(cause, NotRegisteredError) and attempt == 1:
+                    await self._register()  # a restarted coordinator: make ourselves known, ask again
+                    continue
+                if isinstance(cause, NoCommittedCopyError):
+                    await self._await_publish(str(cause))
+                    return
+                reason = f"restore failed: {type(cause).__name__}: {cause}"
+            break
         # Stay paused and fail health checks: Serve replaces this replica, and the
         # replacement catches up from the coordinator's copy when it starts.
         if not self.broken:  # a blocked engine's reason says more
             self.broken = f"weights are not the committed version ({reason})"
         logger.error("replica %s: %s", self.replica_id, self.broken)
+
+    async def _await_publish(self, reason: str) -> None:
+        try:
+            await asyncio.wait_for(self.engine.pause_generation(mode="keep", clear_cache=True), POLL_S * SILENT_POLLS)
+        except Exception as e:  # the engine cannot even pause: it must go
+            self.broken = f"cannot pause to wait for the next publish ({type(e).__name__}: {e})"
+            logger.error("replica %s: %s", self.replica_id, self.broken)
+            return
+        self.awaiting_publish = f"no weights this replica can serve until the next publish ({reason})"
+        logger.warning("replica %s: %s", self.replica_id, self.awaiting_publish)
 
     async def _apply(self, plan: RoundPlan) -> bool:
         """Run one round; return False when it left the weights inconsistent.
@@ -310,6 +335,7 @@ class SyncAgent:
                     else:
                         await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(outcome.version)), t)
                 self.version = outcome.version
+                self.awaiting_publish = None  # every round carries the full model: whole weights again
                 consistent = True
             elif wedged:
                 # Nothing more can run on this engine: fail health checks so Serve replaces
@@ -325,7 +351,7 @@ class SyncAgent:
             else:
                 consistent = True  # nothing was loaded
         finally:
-            if consistent and not self.held:
+            if consistent and not self.held and not self.awaiting_publish:
                 async with clock("resume"):
                     await self.engine.resume_generation()
         logger.info("replica %s: %s took %s", self.replica_id, plan.round_id, clock)

@@ -23,7 +23,7 @@ from rollout.errors import AuthenticationError, InvalidRequestError
 from rollout.logs import show_platform_logs
 from rollout.sync import net
 from rollout.sync.backends import get_backend
-from rollout.sync.protocol import POLL_S, REREGISTER, SILENT_POLLS, Control, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SessionPlan, SyncError
+from rollout.sync.protocol import POLL_S, REREGISTER, SILENT_POLLS, Control, NoCommittedCopyError, NotRegisteredError, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SessionPlan, SyncError
 from rollout.sync.rules import assign_ranks, check_spec
 from rollout.sync.sessions import RouteSessions
 
@@ -322,7 +322,7 @@ class WeightSyncCoordinator(RouteSessions):
         """
         r = self.replicas.get(replica_id)
         if r is None:
-            raise SyncError(f"replica {replica_id} is not registered")
+            raise NotRegisteredError(f"replica {replica_id} is not registered")
         checkpoint = self._checkpoint[1] if self._checkpoint and self._checkpoint[0] == self.committed_version else None
         if checkpoint is None:
             self._check_keeper_holds_committed(replica_id)
@@ -356,14 +356,14 @@ class WeightSyncCoordinator(RouteSessions):
 
     def _check_keeper_holds_committed(self, replica_id: str) -> None:
         if self.keeper is None:
-            raise SyncError(
+            raise NoCommittedCopyError(
                 f"cannot restore {replica_id}: backend {self.backend!r} keeps no copy of the committed weights; "
                 "publish with checkpoint=<a directory every replica reads> so replicas can reload them"
             )
         if self.keeper.version != self.committed_version:
             # E.g. this coordinator restarted: it knows the committed version from the
             # replicas but holds no copy of those weights until the next publish.
-            raise SyncError(
+            raise NoCommittedCopyError(
                 f"cannot restore {replica_id}: the coordinator's copy holds version {self.keeper.version}, "
                 f"the committed version is {self.committed_version}; the next publish refreshes it"
             )

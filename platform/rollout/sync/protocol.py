@@ -32,6 +32,15 @@ class SyncError(RolloutError):
     """A sync round failed; every replica keeps serving the last committed version."""
 
 
+class NoCommittedCopyError(SyncError):
+    """Nothing holds the committed weights for a restore (the backend keeps no copy, or the
+    coordinator restarted since the last publish); the next publish brings them."""
+
+
+class NotRegisteredError(SyncError):
+    """The coordinator does not know the replica (it restarted): register, then ask again."""
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     name: str

@@ -71,15 +71,18 @@ class WeightPublisher:
         self._backend_resolved: Optional[str] = None
 
     @classmethod
-    def connect(cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None) -> "WeightPublisher":
+    def connect(cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None, timeout_s: float = 600.0) -> "WeightPublisher":
         """Attach to the platform's coordinator from a process in the Ray cluster.
+
+        ``timeout_s`` bounds every call to the coordinator (a round's commit waits up to
+        about four times ``sync.timeout_s``: keep it above that).
 
         ``token`` defaults to ``ROLLOUT_SYNC_TOKEN`` from the environment.
         """
         from ray import serve
 
         handle = serve.get_deployment_handle(COORDINATOR_NAME, app_name=app_name)
-        return cls(HandleCoordinator(handle), backend, _token(token))
+        return cls(HandleCoordinator(handle, timeout_s), backend, _token(token))
 
     @classmethod
     def http(

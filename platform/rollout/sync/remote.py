@@ -55,14 +55,26 @@ class CoordinatorClient(Protocol):
 
 
 class HandleCoordinator:
-    def __init__(self, handle):
+    def __init__(self, handle, timeout_s: float = 600.0):
         self.handle = handle
+        self.timeout_s = timeout_s  # like HttpCoordinator's: a coordinator that never answers is an error
 
     def _call(self, method: str, *args):
+        from ray.exceptions import RayActorError
+
         try:
-            return getattr(self.handle, method).remote(*args).result()
+            return getattr(self.handle, method).remote(*args).result(timeout_s=self.timeout_s)
+        except TimeoutError:
+            raise SyncError(f"the coordinator did not answer {method} within {self.timeout_s:g}s") from None
         except Exception as e:
-            raise unwrap_remote(e) from None
+            cause = unwrap_remote(e)
+            if isinstance(cause, RayActorError):
+                # It died with the call in flight: a round it had decided may have committed.
+                raise SyncError(
+                    f"the coordinator died during {method} ({type(cause).__name__}); a round it was deciding may have committed: "
+                    "status() has the committed version once it is back"
+                ) from None
+            raise cause from None
 
     def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
         return self._call("begin_round", token, request)

@@ -65,6 +65,11 @@ def parse_update_info(update_info: Any) -> list[ParamSpec]:
     """The parameters an ``/update_weights`` call announces, checked for shape."""
     if not isinstance(update_info, dict):
         raise InvalidRequestError("update_info", "must be one object (names, dtype_names, shapes); lists of them are not supported")
+    for key in update_info:
+        # vLLM's IPC engine unpickles its handles (ipc_handles_pickled): code execution in
+        # every engine for whoever reaches this route. Nothing from the network is unpickled.
+        if "pickle" in str(key).lower() or str(key) == "ipc_handles":
+            raise InvalidRequestError(f"update_info.{key}", "pickled data is not accepted over HTTP; publish IPC handles with WeightPublisher.connect inside the cluster")
     columns = {}
     for key in ("names", "dtype_names", "shapes"):
         value = update_info.get(key)

@@ -67,7 +67,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, asdict(worker))
             engine.group = GlooGroup(Rendezvous(i.group_name, i.master_address, i.master_port, i.world_size, i.timeout_s), 0)
-            joined.result()
+            joined.result(timeout=i.timeout_s)  # the workers' rendezvous has the same deadline
         return engine
 
     def send_weights(self) -> None:
@@ -85,7 +85,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             received = pool.submit(self.client.update_weights, update_info)
             send_buckets(self.group, specs, tensors, self.info.bucket_bytes)
-            received.result()
+            received.result(timeout=self.info.timeout_s)  # the workers' receive ends by then too
         finally:
             pool.shutdown(wait=False)  # after a failed broadcast the RPC may never return
         self.client.finish_weight_update()
