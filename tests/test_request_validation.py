@@ -46,7 +46,7 @@ def test_the_schema_uses_only_json_schema_keywords_for_bounds():
     assert not {"ge", "le", "gt", "lt"} & set(keys(RolloutRequest.model_json_schema()))
 
 
-@settings(max_examples=800, suppress_health_check=list(HealthCheck), deadline=None, derandomize=True)
+@settings(max_examples=400, suppress_health_check=list(HealthCheck), deadline=None, derandomize=True)
 @given(requests)
 def test_validation_accepts_exactly_what_the_schema_calls_valid_and_otherwise_names_the_field(body):
     try:
