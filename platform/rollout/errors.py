@@ -74,9 +74,10 @@ def replica_lost(err: BaseException) -> bool:
 
 class OverloadedError(EngineUnavailableError):
     """Every replica is busy and the caller's queue (``deployment.max_queued_requests``) is
-    full: refused at once, nothing was started. Retry after ``retry_after_s``."""
+    full: refused at once, nothing was started. Retry after ``retry_after_s`` (None when the
+    deployment names no wait)."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0):
+    def __init__(self, message: str, retry_after_s: Optional[float] = None):
         self.retry_after_s = retry_after_s
         super().__init__(message)
 
@@ -91,8 +92,8 @@ def as_overloaded(err: BaseException) -> BaseException:
     from ray.serve.exceptions import BackPressureError
 
     if isinstance(err, BackPressureError):
-        retry_after_s = err.retry_after_s or 1.0
-        return OverloadedError(f"overloaded: {err.message} (deployment.max_queued_requests); retry after {retry_after_s:g}s", retry_after_s)
+        wait = f"; retry after {err.retry_after_s:g}s" if err.retry_after_s is not None else ""
+        return OverloadedError(f"overloaded: {err.message} (deployment.max_queued_requests){wait}", err.retry_after_s)
     return err
 
 

@@ -14,6 +14,12 @@ from rollout.errors import EngineUnavailableError, ReplicaLostError, as_overload
 logger = logging.getLogger(__name__)
 
 
+class _ClientDeadline(EngineUnavailableError):
+    """This client's own timeout. A class of its own: Ray re-raises a replica's errors as
+    subclasses of their type, so catching EngineUnavailableError would also catch a
+    replica's (still wrapped, never retried) errors."""
+
+
 class HandleTransport:
     def __init__(self, handle, batch_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         self._handle = handle
@@ -27,7 +33,7 @@ class HandleTransport:
         try:
             return await asyncio.wait_for(awaitable, self._timeout_s)
         except asyncio.TimeoutError:
-            raise EngineUnavailableError(f"{what}: no answer within {self._timeout_s:g}s (the client's timeout_s)") from None
+            raise _ClientDeadline(f"{what}: no answer within {self._timeout_s:g}s (the client's timeout_s)") from None
 
     @staticmethod
     def _typed(e: BaseException, tokens_so_far: dict[int, list[int]] | None = None) -> BaseException:
@@ -53,7 +59,7 @@ class HandleTransport:
         for attempt in (1, 2):
             try:
                 return await self._within_deadline(self._handle.generate.remote(list(chunk), offset), f"requests[{offset}:{offset + len(chunk)}]")
-            except EngineUnavailableError:
+            except _ClientDeadline:
                 raise
             except Exception as e:
                 # Nothing of a unary call reached the caller: sampling it again elsewhere is safe.
@@ -79,7 +85,7 @@ class HandleTransport:
                         return
                     sent.setdefault(chunk.index, []).extend(chunk.token_ids)
                     yield chunk
-            except EngineUnavailableError:
+            except _ClientDeadline:
                 raise
             except Exception as e:
                 # Only a stream that yielded nothing may start over: tokens already out can't be unsent.

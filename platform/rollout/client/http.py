@@ -28,7 +28,8 @@ def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
     if resp.status_code == 409 and err.get("type") == "stale_weights":
         raise StaleWeightsError(message)
     if resp.status_code == 429:
-        raise OverloadedError(message, float(resp.headers.get("retry-after") or 1.0))
+        retry_after = resp.headers.get("retry-after")
+        raise OverloadedError(message, float(retry_after) if retry_after else None)
     if resp.status_code == 503:
         raise EngineUnavailableError(message)
     if resp.status_code >= 500:

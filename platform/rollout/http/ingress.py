@@ -108,7 +108,8 @@ async def _on_stale(request: Request, exc: StaleWeightsError) -> JSONResponse:
 @app.exception_handler(OverloadedError)
 async def _on_overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
     response = _error(429, str(exc), kind="overloaded")
-    response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    if exc.retry_after_s is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     return response
 
 

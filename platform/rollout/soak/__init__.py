@@ -201,11 +201,14 @@ class Trainer:
             self._killing = False
 
 
-def _serve_actor(deployment: str):
+def _serve_actor(deployment: str, rng: random.Random):
+    """One replica actor of ``deployment``, picked with the soak's seeded ``rng``."""
     import ray
 
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve" and f"#{deployment}#" in a["name"]]
-    return ray.get_actor(random.choice(names), namespace="serve") if names else None
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve" and f"#{deployment}#" in a["name"])
+    if not names:
+        raise RuntimeError(f"soak: no live replica of {deployment} to kill")
+    return ray.get_actor(rng.choice(names), namespace="serve")
 
 
 def _full_strength(app_name: str, replicas: int) -> bool:
@@ -249,13 +252,13 @@ def _memory_growth(start: dict[int, tuple[str, float]], end: dict[int, tuple[str
     return {role: {k: round(v) for k, v in m.items()} for role, m in sorted(roles.items())}
 
 
-async def _inject(kind: str, trainer: Trainer, app_name: str, base_url: str, tally: Tally) -> float:
+async def _inject(kind: str, trainer: Trainer, app_name: str, base_url: str, tally: Tally, rng: random.Random) -> float:
     """Inject ``kind``; return when it happened (some faults first wait for their moment)."""
     import ray
 
     if kind == "kill_engine_replica":
         at = time.monotonic()
-        ray.kill(_serve_actor("RolloutEngine"), no_restart=True)
+        ray.kill(_serve_actor("RolloutEngine", rng), no_restart=True)
         return at
     elif kind == "kill_trainer":
         await asyncio.to_thread(trainer.in_round.wait, 60)  # mid-publish
@@ -266,11 +269,11 @@ async def _inject(kind: str, trainer: Trainer, app_name: str, base_url: str, tal
     elif kind in ("kill_coordinator_idle", "kill_coordinator_in_round"):
         await asyncio.to_thread((trainer.idle if kind.endswith("idle") else trainer.in_round).wait, 60)
         at = time.monotonic()
-        ray.kill(_serve_actor("WeightSyncCoordinator"), no_restart=True)
+        ray.kill(_serve_actor("WeightSyncCoordinator", rng), no_restart=True)
         return at
     elif kind == "kill_ingress":
         at = time.monotonic()
-        ray.kill(_serve_actor("RolloutIngress"), no_restart=True)
+        ray.kill(_serve_actor("RolloutIngress", rng), no_restart=True)
         return at
     elif kind == "overfill_queue":
         import httpx
@@ -355,7 +358,7 @@ async def _soak(cfg, model_dir: Path, duration_s: float, fault_period_s: float, 
         k += 1
         slot = time.monotonic()
         logger.info("soak: injecting %s at %.0fs", kind, slot - t0)
-        at = await _inject(kind, trainer, cfg.app_name, base_url, tally)
+        at = await _inject(kind, trainer, cfg.app_name, base_url, tally, rng)
         faults.append({"fault": kind, "at_s": round(at - t0, 1), **await _recovery(probe, cfg.app_name, replicas, at, kind in KILLS_A_REPLICA)})
         remaining = fault_period_s - (time.monotonic() - slot)
         if remaining > 0:
