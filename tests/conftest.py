@@ -29,7 +29,7 @@ METRICS_PORT = free_port()
 
 # End-to-end modules share one app and run in this order: later ones change its state
 # (weights, replica count) that earlier ones assume.
-E2E_ORDER = ["test_generation_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_scaling_e2e"]
+E2E_ORDER = ["test_generation_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_soak_e2e", "test_scaling_e2e"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,6 +38,15 @@ def pytest_collection_modifyitems(config, items):
         return (E2E_ORDER.index(module) + 1) if module in E2E_ORDER else 0
 
     items.sort(key=key)  # stable: unit tests first, in their own order
+
+
+def pytest_collection_finish(session):
+    # The Dockerfile's install resolve waits on the package index for about two minutes:
+    # start it now, beside the tests that run before it.
+    for item in session.items:
+        if "image_install" in getattr(item, "fixturenames", ()):
+            item.module.start_image_resolve()
+            break
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ the image's own Python and platform, so an image that cannot build fails here.""
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import json
 import os
@@ -13,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 import urllib.error
 import urllib.request
@@ -259,10 +261,10 @@ def require_pypi():
         pytest.skip(f"the package index {index} is unreachable ({exc}): cannot resolve the image's install")
 
 
-@pytest.fixture(scope="session")
-def project_wheel(tmp_path_factory) -> Path:
+def build_project_wheel(workdir: Path) -> Path:
     """The project's wheel, built from what the Dockerfile's build stage copies."""
-    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    src, out = workdir / "src", workdir / "dist"
+    src.mkdir()
     shutil.copy(ROOT / "pyproject.toml", src)
     shutil.copy(ROOT / "README.md", src)
     shutil.copytree(ROOT / "platform", src / "platform", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc"))
@@ -281,16 +283,33 @@ def project_wheel(tmp_path_factory) -> Path:
     return whl
 
 
-@pytest.fixture(scope="session")
-def image_install(request, tmp_path_factory) -> dict[str, dict]:
+def resolve_image_install(workdir: Path) -> dict[str, dict]:
     """The image's `pip install`, resolved for its Python and platform: {name: report item}."""
     require_pypi()
-    project_wheel = request.getfixturevalue("project_wheel")  # after the check: may download setuptools
+    project_wheel = build_project_wheel(workdir)  # after the check: may download setuptools
     python, glibc, _ = image_platform()
     requirements = [str(project_wheel) if a == "/tmp/dist/*.whl" else a for a in dockerfile_install()]
-    result, report = pip_resolve(requirements, python, glibc, tmp_path_factory.mktemp("resolve"))
+    (workdir / "resolve").mkdir()
+    result, report = pip_resolve(requirements, python, glibc, workdir / "resolve")
     assert result.returncode == 0, f"the image's pip install does not resolve for CPython {python}:\n{result.stderr[-4000:]}"
     return {canonical(item["metadata"]["name"]): item for item in report["install"]}
+
+
+_resolving: list[concurrent.futures.Future] = []
+
+
+def start_image_resolve() -> None:
+    """Called once the session's tests are collected (conftest): the resolve spends about two
+    minutes waiting on the package index, so it runs beside the tests collected before it."""
+    if not _resolving:
+        workdir = Path(tempfile.mkdtemp(prefix="image-resolve-"))
+        _resolving.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="image-resolve").submit(resolve_image_install, workdir))
+
+
+@pytest.fixture(scope="session")
+def image_install() -> dict[str, dict]:
+    start_image_resolve()  # (already started, unless this module runs alone)
+    return _resolving[0].result(timeout=900)  # a skip or failure in the resolve is raised here
 
 
 def test_image_install_resolves(image_install):

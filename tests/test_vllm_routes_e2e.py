@@ -86,6 +86,8 @@ def test_bad_sequences_get_a_4xx_naming_the_problem_and_change_no_replica(two_re
         ),
         (post(base_url, "init_weight_transfer_engine", json={"init_info": {"master_port": 29999, "world_size": world + 1}}), 400, "init_info.master_address"),
         (post(base_url, "collective_rpc", json={"method": "reset_weights"}), 403, "arbitrary methods"),
+        # A misspelt parameter is named, not ignored (which would pause with the default).
+        (post(base_url, "pause", params={"mode": "keep", "clear_cach": "false"}), 400, "clear_cach"),
     ]
     for resp, status, needle in cases:
         assert resp.status_code == status and needle in resp.text, (resp.status_code, resp.text)
@@ -93,6 +95,7 @@ def test_bad_sequences_get_a_4xx_naming_the_problem_and_change_no_replica(two_re
     assert after["committed_version"] == before["committed_version"]
     assert {r: v["version"] for r, v in after["replicas"].items()} == {r: v["version"] for r, v in before["replicas"].items()}
     assert after["recent_rounds"] == before["recent_rounds"], "no round was opened"
+    assert routes._request("GET", "is_paused") == {"is_paused": False}
 
 
 async def test_a_trainer_written_for_vllm_serve_publishes_to_every_replica_through_the_routes(

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from ray import serve
 
-from rollout.api import ErrorResponse, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
+from rollout.api import RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
 from rollout.client.handle import HandleTransport
 from rollout.config import PlatformConfig
 from rollout.errors import (
@@ -35,20 +35,9 @@ logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-ID"  # what agent frameworks send to keep a conversation on one replica
 
-from rollout.http.routes_app import app  # noqa: E402  (the routes below and in rl_routes share it)
+from rollout.http.routes_app import REQUEST_ERRORS, SYNC_ERRORS, app  # noqa: E402  (the routes below and in rl_routes share it)
 from rollout.http.rl_routes import VllmRlRoutes  # noqa: E402
 
-
-# The error answers the schema documents (every one has an ErrorResponse body).
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request: `error.field` names the field."},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
-    409: {"model": ErrorResponse, "description": "The policy version the request needs (`min_weight_version`, `sync.max_staleness`) did not arrive in time (`StaleWeightsError`; retryable)."},
-    413: {"model": ErrorResponse, "description": "Body larger than `http.max_body_bytes`."},
-    429: {"model": ErrorResponse, "description": "Overloaded: the queue (`deployment.max_queued_requests`) is full; retry after `Retry-After` seconds."},
-    503: {"model": ErrorResponse, "description": "No engine can serve it now (retryable)."},
-}
-SYNC_ERRORS = {**{k: v for k, v in _ERRORS.items() if k != 409}, 409: {"model": ErrorResponse, "description": "The sync round was refused or failed; replicas keep the committed version."}}
 
 
 class NdjsonResponse(StreamingResponse):
@@ -171,7 +160,7 @@ class HttpIngress(VllmRlRoutes):
         app.state.api_key = _ApiKey(key)
         app.state.max_body_bytes = self.config.http.max_body_bytes
 
-    @app.get("/healthz", responses={503: _ERRORS[503]})
+    @app.get("/healthz", responses={503: REQUEST_ERRORS[503]})
     async def healthz(self) -> dict:
         try:
             await self.engine.stats()
@@ -179,7 +168,7 @@ class HttpIngress(VllmRlRoutes):
             raise EngineUnavailableError(f"no healthy engine replica: {e}") from None
         return {"status": "ok"}
 
-    @app.post("/v1/rollouts", dependencies=[Depends(require_key)], responses=_ERRORS)
+    @app.post("/v1/rollouts", dependencies=[Depends(require_key)], responses=REQUEST_ERRORS)
     async def rollouts(self, batch: RolloutBatch) -> RolloutBatchResult:
         return RolloutBatchResult(results=await self.engine.generate(batch.requests))
 
@@ -187,7 +176,7 @@ class HttpIngress(VllmRlRoutes):
         "/v1/rollouts/stream",
         dependencies=[Depends(require_key)],
         response_class=NdjsonResponse,
-        responses={200: {"model": RolloutChunk, "description": "One `RolloutChunk` per line."}, **_ERRORS},
+        responses={200: {"model": RolloutChunk, "description": "One `RolloutChunk` per line."}, **REQUEST_ERRORS},
     )
     async def rollouts_stream(self, request: RolloutRequest) -> NdjsonResponse:
         _, chunks = await _first_then_rest(self.engine.stream(request))

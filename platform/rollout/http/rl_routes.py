@@ -20,8 +20,9 @@ from typing import Annotated, Any, Optional
 from fastapi import Body, Query, Request
 from fastapi.responses import JSONResponse
 
+from rollout.api import ErrorResponse
 from rollout.errors import AuthenticationError, InvalidRequestError, unwrap_remote
-from rollout.http.routes_app import app
+from rollout.http.routes_app import SYNC_ERRORS, app
 from rollout.sync.protocol import PauseMode, SyncError
 from rollout.sync.remote import SYNC_TOKEN_HEADER
 
@@ -37,6 +38,9 @@ def _credential(request: Request) -> Optional[str]:
         return token
     scheme, _, value = request.headers.get("authorization", "").partition(" ")
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+REFUSED_ANSWER: dict[int | str, dict[str, Any]] = {403: {"model": ErrorResponse, "description": "Not served here: it would run code on the engines' workers."}}
 
 
 class VllmRlRoutes:
@@ -58,60 +62,60 @@ class VllmRlRoutes:
         except Exception as e:
             raise unwrap_remote(e) from None
 
-    @app.post("/pause")
+    @app.post("/pause", responses=SYNC_ERRORS)
     async def rl_pause(self, request: Request, mode: Annotated[PauseMode, Query()] = "abort", clear_cache: Annotated[bool, Query()] = True) -> dict:
         await self._rl(request, "pause", mode, clear_cache and mode != "keep")
         return {"status": "paused"}
 
-    @app.post("/resume")
+    @app.post("/resume", responses=SYNC_ERRORS)
     async def rl_resume(self, request: Request) -> dict:
         await self._rl(request, "resume")
         return {"status": "resumed"}
 
-    @app.get("/is_paused")
+    @app.get("/is_paused", responses=SYNC_ERRORS)
     async def rl_is_paused(self, request: Request) -> dict:
         return {"is_paused": await self._rl(request, "paused")}
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=SYNC_ERRORS)
     async def rl_reset_prefix_cache(self, request: Request, reset_running_requests: bool = Query(False), reset_external: bool = Query(False)) -> dict:
         if reset_running_requests or reset_external:
             raise InvalidRequestError("reset_running_requests" if reset_running_requests else "reset_external", "not supported here; only the local prefix cache is reset")
         return {"success": await self._rl(request, "reset_prefix_cache")}
 
-    @app.get("/get_world_size")
+    @app.get("/get_world_size", responses=SYNC_ERRORS)
     async def rl_get_world_size(self, request: Request, include_dp: bool = Query(True)) -> dict:
         return {"world_size": await self._rl(request, "world_size")}
 
-    @app.post("/init_weight_transfer_engine")
+    @app.post("/init_weight_transfer_engine", responses=SYNC_ERRORS)
     async def rl_init(self, request: Request, init_info: Annotated[dict[str, Any], Body(embed=True)]) -> dict:
         await self._rl(request, "open_session", init_info)
         return {"message": "Weight transfer initialized"}
 
-    @app.post("/shutdown_weight_transfer_engine")
+    @app.post("/shutdown_weight_transfer_engine", responses=SYNC_ERRORS)
     async def rl_shutdown(self, request: Request) -> dict:
         await self._rl(request, "shutdown_session")
         return {"message": "Weight transfer shut down"}
 
-    @app.post("/start_weight_update")
+    @app.post("/start_weight_update", responses=SYNC_ERRORS)
     async def rl_start(self, request: Request) -> dict:
         await self._rl(request, "start_update")
         return {"message": "Weight update started"}
 
-    @app.post("/update_weights")
+    @app.post("/update_weights", responses=SYNC_ERRORS)
     async def rl_update(self, request: Request, update_info: Annotated[Any, Body(embed=True)]) -> dict:
         await self._rl(request, "update", update_info)
         return {"message": "Weights updated"}
 
-    @app.post("/finish_weight_update")
+    @app.post("/finish_weight_update", responses=SYNC_ERRORS)
     async def rl_finish(self, request: Request, weight_version: Annotated[Optional[str], Body(embed=True)] = None) -> dict:
         await self._rl(request, "finish_update", weight_version)
         return {"message": "Weight update finished"}
 
-    @app.get("/weight_info")
+    @app.get("/weight_info", responses=SYNC_ERRORS)
     async def rl_weight_info(self, request: Request) -> dict:
         return {"weight_version": str(await self._rl(request, "weight_version"))}
 
-    @app.post("/update_weight_version")
+    @app.post("/update_weight_version", responses=SYNC_ERRORS)
     async def rl_update_weight_version(self, request: Request, new_version: Annotated[str, Body(embed=True)]) -> dict:
         committed = await self._rl(request, "weight_version")
         if new_version.strip() != str(committed):
@@ -121,10 +125,10 @@ class VllmRlRoutes:
             )
         return {"success": True, "new_version": new_version}
 
-    @app.post("/collective_rpc")
+    @app.post("/collective_rpc", responses=REFUSED_ANSWER)
     async def rl_collective_rpc(self) -> JSONResponse:
         return JSONResponse(status_code=403, content={"error": {"message": f"/collective_rpc {REFUSED}", "type": "forbidden"}})
 
-    @app.post("/weight_checker")
+    @app.post("/weight_checker", responses=REFUSED_ANSWER)
     async def rl_weight_checker(self) -> JSONResponse:
         return JSONResponse(status_code=403, content={"error": {"message": f"/weight_checker resets weights through collective_rpc, which {REFUSED}", "type": "forbidden"}})

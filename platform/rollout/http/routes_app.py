@@ -2,13 +2,41 @@
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Request
+from fastapi.dependencies.utils import get_flat_dependant
 from fastapi.openapi.utils import get_openapi
 
+from rollout.api import ErrorResponse
+from rollout.errors import InvalidRequestError
 from rollout.http.body_limit import BodyLimit
 
-app = FastAPI(title="Rollout Platform", version="1")
+
+def refuse_undocumented_query(request: Request) -> None:
+    """A query parameter a documented route does not take is refused, naming it: a trainer's
+    misspelt ``clear_cach=false`` must not pause with the default instead. (The OpenAI
+    routes, served by vLLM's own layer and kept out of the schema, ignore extras as it does.)"""
+    route = request.scope.get("route")
+    if route is None or not getattr(route, "include_in_schema", False) or not request.query_params:
+        return
+    known = {p.alias for p in get_flat_dependant(route.dependant).query_params}
+    for name in request.query_params:
+        if name not in known:
+            raise InvalidRequestError(name, f"unknown query parameter; {request.url.path} takes {', '.join(sorted(known)) or 'none'}")
+
+
+app = FastAPI(title="Rollout Platform", version="1", dependencies=[Depends(refuse_undocumented_query)])
 app.add_middleware(BodyLimit)
+
+# The error answers the schema documents (every one has an ErrorResponse body).
+REQUEST_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request: `error.field` names the field."},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
+    409: {"model": ErrorResponse, "description": "The policy version the request needs (`min_weight_version`, `sync.max_staleness`) did not arrive in time (`StaleWeightsError`; retryable)."},
+    413: {"model": ErrorResponse, "description": "Body larger than `http.max_body_bytes`."},
+    429: {"model": ErrorResponse, "description": "Overloaded: the queue (`deployment.max_queued_requests`) is full; retry after `Retry-After` seconds."},
+    503: {"model": ErrorResponse, "description": "No engine can serve it now (retryable)."},
+}
+SYNC_ERRORS = {**{k: v for k, v in REQUEST_ERRORS.items() if k != 409}, 409: {"model": ErrorResponse, "description": "The sync round was refused or failed; replicas keep the committed version."}}
 
 
 def _openapi() -> dict[str, Any]:

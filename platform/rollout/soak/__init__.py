@@ -36,7 +36,7 @@ from rollout.errors import EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
-API_KEY = "soak-key"
+API_KEY = "soak-key"  # `make soak`'s own platform's credentials
 SYNC_TOKEN = "soak-sync-token"
 CALL_TIMEOUT_S = 60.0  # the clients' own deadline: past it a call ends with a typed error
 HUNG_AFTER_S = CALL_TIMEOUT_S + 30  # no answer at all by then: hung
@@ -45,10 +45,31 @@ FULL_STRENGTH_BOUND_S = 240.0  # ... and every deployment is back to full streng
 # Per process alive from the warm-up to the end. An engine's KV cache (256 MiB here) is
 # first touched block by block as requests use it, so a worker may still grow by up to that.
 MEMORY_GROWTH_BOUND_MB = 320.0
-# In turn; the quick ones first, so a short soak (CI's) still sees most kinds.
-FAULTS = ("overfill_queue", "kill_coordinator_in_round", "kill_ingress", "kill_coordinator_idle", "kill_trainer", "kill_engine_replica")
+# In turn. The engine replica first: its replacement's start (a minute or two on two busy
+# cores) outlasts a period, and the faults after it then come back to back, which keeps a
+# short soak (CI's: each kind once) short.
+FAULTS = ("kill_engine_replica", "overfill_queue", "kill_coordinator_in_round", "kill_ingress", "kill_coordinator_idle", "kill_trainer")
 KILLS_A_REPLICA = {"kill_engine_replica", "kill_coordinator_idle", "kill_coordinator_in_round", "kill_ingress"}
+# Per replica, and waiting at each caller: small, so the overfill fault's burst exceeds them.
+MAX_ONGOING, MAX_QUEUED = 16, 16
+OVERFILL_CALLS = 2 * (2 * MAX_ONGOING + MAX_QUEUED)
+# The engine deployment's settings under soak; all applied by Serve itself (changing them on
+# a running app restarts nothing), so a test can soak the platform it already runs.
+SOAK_DEPLOYMENT = {"replicas": 2, "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED, "health_check_period_s": 2}
 NOTICE_WITHIN_S = 20.0  # Serve's health check (2 s period, 10 s timeout here) notices a killed replica by then
+
+
+@dataclass(frozen=True)
+class SoakRun:
+    """What to soak (a deployed platform and its credentials) and for how long."""
+
+    cfg: Any  # the platform's PlatformConfig, deployed with SOAK_DEPLOYMENT
+    model_dir: Path
+    api_key: str
+    sync_token: str
+    duration_s: float = 600.0
+    fault_period_s: float = 40.0  # faults at half a period, then every period, while before duration_s
+    seed: int = 0
 
 
 @dataclass
@@ -133,11 +154,11 @@ async def _streams(tally: Tally, client, stop: asyncio.Event, rng: random.Random
             tally.record("stream", None)
 
 
-async def _openai(tally: Tally, base_url: str, model: str, stop: asyncio.Event, rng: random.Random) -> None:
+async def _openai(tally: Tally, base_url: str, api_key: str, model: str, stop: asyncio.Event, rng: random.Random) -> None:
     import openai
 
     # No retries: the soak counts every failure the SDK would see (and would retry by default).
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, timeout=CALL_TIMEOUT_S, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, timeout=CALL_TIMEOUT_S, max_retries=0)
     try:
         while not stop.is_set():
             prompt = " ".join(rng.choice("the policy model answer question value action state".split()) for _ in range(6))
@@ -151,8 +172,9 @@ async def _openai(tally: Tally, base_url: str, model: str, stop: asyncio.Event, 
 class Trainer:
     """The publishing process, its stdout read on a thread: committed versions and failures."""
 
-    def __init__(self, model_dir: Path, app_name: str, period_s: float):
+    def __init__(self, model_dir: Path, app_name: str, sync_token: str, period_s: float):
         self.args = [sys.executable, "-m", "rollout.soak.trainer", str(model_dir), app_name, str(period_s)]
+        self.sync_token = sync_token
         self.committed: list[int] = []
         self.failed: list[str] = []
         self.in_round = threading.Event()
@@ -165,7 +187,7 @@ class Trainer:
         import ray
         import tempfile
 
-        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "ROLLOUT_SYNC_TOKEN": SYNC_TOKEN}
+        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "ROLLOUT_SYNC_TOKEN": self.sync_token}
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
         threading.Thread(target=self._read, args=(self.proc, self._stderr), daemon=True).start()
@@ -211,7 +233,7 @@ def _serve_actor(deployment: str, rng: random.Random):
     return ray.get_actor(rng.choice(names), namespace="serve")
 
 
-def _full_strength(app_name: str, replicas: int) -> bool:
+def full_strength(app_name: str, replicas: int) -> bool:
     from ray import serve
 
     app = serve.status().applications.get(app_name)
@@ -252,7 +274,7 @@ def _memory_growth(start: dict[int, tuple[str, float]], end: dict[int, tuple[str
     return {role: {k: round(v) for k, v in m.items()} for role, m in sorted(roles.items())}
 
 
-async def _inject(kind: str, trainer: Trainer, app_name: str, base_url: str, tally: Tally, rng: random.Random) -> float:
+async def _inject(kind: str, trainer: Trainer, base_url: str, api_key: str, tally: Tally, rng: random.Random) -> float:
     """Inject ``kind``; return when it happened (some faults first wait for their moment)."""
     import ray
 
@@ -279,8 +301,11 @@ async def _inject(kind: str, trainer: Trainer, app_name: str, base_url: str, tal
         import httpx
 
         body = {"requests": [{"prompt_token_ids": [7, 8, 9], "sampling": {"max_tokens": 32}}]}
-        async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=CALL_TIMEOUT_S) as c:
-            answers = await asyncio.gather(*(c.post("/v1/rollouts", json=body) for _ in range(64)), return_exceptions=True)
+        # More calls at once than every replica admits plus the ingress's queue holds (the
+        # rest of the load is running too), over as many connections: some must get 429.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, timeout=CALL_TIMEOUT_S, limits=limits) as c:
+            answers = await asyncio.gather(*(c.post("/v1/rollouts", json=body) for _ in range(OVERFILL_CALLS)), return_exceptions=True)
         for a in answers:
             if isinstance(a, BaseException):
                 tally.outcomes["overfill"]["untyped"] += 1
@@ -292,10 +317,10 @@ async def _inject(kind: str, trainer: Trainer, app_name: str, base_url: str, tal
     return time.monotonic()
 
 
-async def _watch_commits(app_name: str, seen: set[int], stop: asyncio.Event) -> None:
+async def _watch_commits(app_name: str, sync_token: str, seen: set[int], stop: asyncio.Event) -> None:
     from rollout.sync import WeightPublisher
 
-    publisher = WeightPublisher.connect(app_name=app_name, token=SYNC_TOKEN, timeout_s=10)
+    publisher = WeightPublisher.connect(app_name=app_name, token=sync_token, timeout_s=10)
     while not stop.is_set():
         try:
             status = await asyncio.to_thread(publisher.status)
@@ -318,7 +343,7 @@ async def _recovery(probe, app_name: str, replicas: int, since: float, kills_a_r
                 serving = time.monotonic() - since
             except Exception:
                 pass
-        strong = await asyncio.to_thread(_full_strength, app_name, replicas)
+        strong = await asyncio.to_thread(full_strength, app_name, replicas)
         noticed = noticed or not strong or time.monotonic() - since > NOTICE_WITHIN_S
         if full is None and noticed and strong:
             full = time.monotonic() - since
@@ -326,52 +351,52 @@ async def _recovery(probe, app_name: str, replicas: int, since: float, kills_a_r
     return {"serving_again_s": None if serving is None else round(serving, 1), "full_strength_s": None if full is None else round(full, 1)}
 
 
-async def _soak(cfg, model_dir: Path, duration_s: float, fault_period_s: float, seed: int) -> dict[str, Any]:
+async def soak(run: SoakRun) -> dict[str, Any]:
+    """Soak the deployed platform ``run.cfg``; the report (see the module's docstring)."""
     from rollout.client import RolloutClient
+    from rollout.sync import WeightPublisher
 
-    rng = random.Random(seed)
+    cfg = run.cfg
+    rng = random.Random(run.seed)
     base_url = f"http://127.0.0.1:{cfg.http.port}"
     replicas = cfg.deployment.replicas
     tally = Tally()
     handle = RolloutClient.connect(app_name=cfg.app_name, batch_size=4, timeout_s=CALL_TIMEOUT_S)
-    http = RolloutClient.http(base_url, api_key=API_KEY, timeout_s=CALL_TIMEOUT_S)
+    http = RolloutClient.http(base_url, api_key=run.api_key, timeout_s=CALL_TIMEOUT_S)
     probe = RolloutClient.connect(app_name=cfg.app_name, batch_size=1, timeout_s=30)
-    trainer = Trainer(model_dir, cfg.app_name, period_s=1.0)
+    trainer = Trainer(run.model_dir, cfg.app_name, run.sync_token, period_s=1.0)
     trainer.start()
     await asyncio.to_thread(trainer.idle.wait, 180)  # the first publish committed (or failed)
     stop = asyncio.Event()
     committed_seen: set[int] = set()
     load = [
-        asyncio.create_task(_watch_commits(cfg.app_name, committed_seen, stop)),
+        asyncio.create_task(_watch_commits(cfg.app_name, run.sync_token, committed_seen, stop)),
         asyncio.create_task(_batches(tally, handle, stop, random.Random(rng.random()))),
         asyncio.create_task(_batches(tally, handle, stop, random.Random(rng.random()))),
         asyncio.create_task(_streams(tally, http, stop, random.Random(rng.random()))),
-        asyncio.create_task(_openai(tally, base_url, cfg.model.name, stop, random.Random(rng.random()))),
+        asyncio.create_task(_openai(tally, base_url, run.api_key, cfg.model.name, stop, random.Random(rng.random()))),
     ]
     faults = []
     t0 = time.monotonic()
-    await asyncio.sleep(fault_period_s / 2)  # warm-up: the engines' caches and every path in use
+    # Warm-up (the engines' caches and every path in use) for half a period; then a fault at
+    # every period's mark before the end. A recovery longer than a period delays the next
+    # fault; the last one's recovery may run past the end (the load goes on until it is over).
+    await asyncio.sleep(run.fault_period_s / 2)
     memory_start = _memory_by_process()
     k = 0
-    while time.monotonic() - t0 + fault_period_s / 2 <= duration_s:
+    while (mark := run.fault_period_s / 2 + k * run.fault_period_s) < run.duration_s:
+        await asyncio.sleep(max(0.0, t0 + mark - time.monotonic()))
         kind = FAULTS[k % len(FAULTS)]
         k += 1
-        slot = time.monotonic()
-        logger.info("soak: injecting %s at %.0fs", kind, slot - t0)
-        at = await _inject(kind, trainer, cfg.app_name, base_url, tally, rng)
+        logger.info("soak: injecting %s at %.0fs", kind, time.monotonic() - t0)
+        at = await _inject(kind, trainer, base_url, run.api_key, tally, rng)
         faults.append({"fault": kind, "at_s": round(at - t0, 1), **await _recovery(probe, cfg.app_name, replicas, at, kind in KILLS_A_REPLICA)})
-        remaining = fault_period_s - (time.monotonic() - slot)
-        if remaining > 0:
-            await asyncio.sleep(remaining)
-    if time.monotonic() - t0 < duration_s:
-        await asyncio.sleep(duration_s - (time.monotonic() - t0))
+    await asyncio.sleep(max(0.0, t0 + run.duration_s - time.monotonic()))
     stop.set()
     await asyncio.gather(*load)
     trainer.kill()
     memory_end = _memory_by_process()
-    from rollout.sync import WeightPublisher
-
-    status = await asyncio.to_thread(WeightPublisher.connect(app_name=cfg.app_name, token=SYNC_TOKEN).status)
+    status = await asyncio.to_thread(WeightPublisher.connect(app_name=cfg.app_name, token=run.sync_token).status)
     # What the trainer saw committed, and what the coordinator said it committed (a round it
     # decided just before it was killed commits without the trainer hearing of it).
     committed = set(trainer.committed) | committed_seen | {0, status["committed_version"]}
@@ -392,8 +417,8 @@ async def _soak(cfg, model_dir: Path, duration_s: float, fault_period_s: float, 
     }
     return {
         "benchmark": "soak",
-        "duration_s": duration_s,
-        "fault_period_s": fault_period_s,
+        "duration_s": run.duration_s,
+        "fault_period_s": run.fault_period_s,
         "replicas": replicas,
         "calls": {path: dict(c) for path, c in sorted(tally.outcomes.items())},
         "untyped_failures": tally.untyped[:50],
@@ -422,13 +447,14 @@ def run_soak(model_dir: Path, out: Path, duration_s: float = 600.0, fault_period
         app_name="rollout-soak",
         model={"max_model_len": 512, "kv_cache_memory_bytes": 256 << 20},
         http={"port": 8790, "host": "127.0.0.1"},
-        deployment={"replicas": 2, "max_queued_requests": 16, "health_check_period_s": 2, "health_check_timeout_s": 10, "stuck_timeout_s": 20},
+        deployment={**SOAK_DEPLOYMENT, "health_check_timeout_s": 10, "stuck_timeout_s": 20},
         sync={"timeout_s": 10},
     )
+    run = SoakRun(cfg, model_dir, API_KEY, SYNC_TOKEN, duration_s=duration_s, fault_period_s=fault_period_s, seed=seed)
     ray.init(num_cpus=8, namespace="rollout-soak", log_to_driver=False)
     try:
         with local_platform(cfg):
-            report = asyncio.run(_soak(cfg, model_dir, duration_s, fault_period_s, seed))
+            report = asyncio.run(soak(run))
     finally:
         ray.shutdown()
     out.parent.mkdir(parents=True, exist_ok=True)
