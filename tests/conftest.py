@@ -29,7 +29,7 @@ METRICS_PORT = free_port()
 
 # End-to-end modules share one app and run in this order: later ones change its state
 # (weights, replica count) that earlier ones assume.
-E2E_ORDER = ["test_generation_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_soak_e2e", "test_scaling_e2e"]
+E2E_ORDER = ["test_generation_e2e", "test_rollout_stream_e2e", "test_rewards_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_soak_e2e", "test_scaling_e2e"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -107,6 +107,8 @@ def platform_config(model_dir, tmp_path_factory):
         openai={"tool_call_parser": "hermes", "enable_auto_tool_choice": True},
         # Short deadline so fault tests end quickly.
         sync={"timeout_s": 10, "bucket_bytes": 1 << 16},
+        # Two reward functions every replica can import: one scores, one raises on most text.
+        rewards={"functions": {"length": "builtins:len", "json": "json:loads"}},
     )
 
 

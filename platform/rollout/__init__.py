@@ -1,11 +1,12 @@
 """Rollout Platform: vLLM rollouts for RL trainers, served by Ray Serve."""
 
-from rollout.api import RolloutChunk, RolloutRequest, RolloutResult, Sample, SamplingConfig, WeightVersionSpan
+from rollout.api import RewardSpec, RolloutChunk, RolloutRequest, RolloutResult, Sample, SamplingConfig, WeightVersionSpan
 from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, RolloutError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "RewardSpec",
     "RolloutChunk",
     "RolloutRequest",
     "RolloutResult",

@@ -9,7 +9,7 @@ that depend on the served model (vocabulary, context length, the configured cap 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -67,6 +67,21 @@ class ChatMessage(_Input):
     content: str
 
 
+class RewardSpec(_Input):
+    """A reward to score every sample with when it finishes, next to the engine."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+        description="`exact_match`, `math_equal`, `regex_format`, or a function the platform registered under `rewards.functions`.",
+    )
+    params: Dict[str, Any] = Field(
+        default_factory=dict,
+        description="The function's arguments besides the text: `answer` (exact_match, math_equal; exact_match also takes `ignore_case`), "
+        "`pattern` (regex_format; also `full_match`).",
+    )
+
+
 PROMPT_FORMS = ("prompt_token_ids", "prompt", "messages")
 
 
@@ -88,6 +103,9 @@ class RolloutRequest(_Input):
     n: Int = Field(default=1, ge=1, description="Samples of this prompt; they share one prefill. Capped by `limits.max_n`.")
     request_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Caller's id, echoed in the result; generated when absent.")
     session_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Groups requests of one episode (routing affinity).")
+    reward: Optional[RewardSpec] = Field(
+        default=None, description="Score each sample when it finishes (`Sample.reward`); replaces `rewards.default` for this request."
+    )
     min_weight_version: Optional[NonNegativeInt] = Field(
         default=None,
         description="Generate only with policy version >= this; a replica still behind holds the request until it serves it (up to `sync.timeout_s`), then fails it as retryable. "
@@ -122,7 +140,15 @@ class WeightVersionSpan(_Model):
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class Sample(_Model):
+class _Scored(_Model):
+    """A finished sample's reward, when its request asked for one (on a stream: the sample's last chunk)."""
+
+    reward: Optional[float] = Field(default=None, description="The sample's reward under the request's reward spec; null when none was asked for or it failed.")
+    reward_details: Optional[Dict[str, Any]] = Field(default=None, description="What the reward function reported besides the number (math_equal: `extracted`, `method`).")
+    reward_error: Optional[str] = Field(default=None, description="Why the reward is null although one was asked for (the function raised, timed out, returned no number).")
+
+
+class Sample(_Scored):
     token_ids: List[int]
     logprobs: Optional[List[float]] = Field(default=None, description="Logprob of each sampled token (same length as token_ids).")
     finish_reason: Optional[FinishReason] = None
@@ -148,7 +174,7 @@ class RolloutResult(_Model):
     )
 
 
-class RolloutChunk(_Model):
+class RolloutChunk(_Scored):
     """A streaming increment: new tokens of sample ``index`` of ``request_id``.
 
     ``finish_reason`` is set on the last chunk of a sample, which also carries that

@@ -162,6 +162,7 @@ def _soak(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rollout.bench import BENCHMARKS
     from rollout.modelbuild import SIZES
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run the benchmarks; JSON results under --out")
     bench.add_argument("--model", default="build/model")
     bench.add_argument("--out", default="build/bench")
-    bench.add_argument("--only", nargs="*", help="run only these benchmarks (engine_throughput, weight_sync, scaling)")
+    bench.add_argument("--only", nargs="*", help=f"run only these benchmarks ({', '.join(BENCHMARKS)})")
     bench.set_defaults(func=_bench)
     sk = sub.add_parser("soak", help="mixed load with weight publishes and injected faults on a local platform; a JSON report")
     sk.add_argument("--model", default="build/model")

@@ -25,6 +25,7 @@ from typing import Any, Literal, Mapping, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout.api import RewardSpec
 from rollout.sync.backends import AUTO, backend_names
 from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, SYNC_TOKEN_ENV, PauseMode
 
@@ -298,6 +299,33 @@ class SyncConfig(_Section):
     )
 
 
+class RewardsConfig(_Section):
+    """Inline rewards, scored next to the engine as each sample finishes."""
+
+    functions: dict[str, str] = Field(
+        default_factory=dict,
+        description="Your reward functions, `name: module:function`: imported when a replica starts (a bad path fails the start), "
+        "called as `fn(text, **params)` and returning a number or `(number, details)`. Requests name them; a request never names an import path.",
+    )
+    default: Optional[RewardSpec] = Field(default=None, description="The reward of requests that name none, e.g. `{name: math_equal, params: {answer: '42'}}`; unset: none.")
+    timeout_s: float = Field(default=10.0, gt=0, le=600, description="Most seconds one sample's reward may take, (0, 600]; past it the sample gets `reward_error`.")
+    workers: int = Field(default=2, ge=1, le=64, description="Threads scoring rewards on each replica, 1..64 (off the replica's event loop).")
+
+    @model_validator(mode="after")
+    def _names(self) -> "RewardsConfig":
+        from rollout.rewards.builtins import BUILTINS
+
+        for name, path in self.functions.items():
+            if name in BUILTINS:
+                raise ValueError(f"rewards.functions.{name}: the name of a built-in reward; pick another")
+            module, sep, attr = path.partition(":")
+            if not (module and sep and attr):
+                raise ValueError(f"rewards.functions.{name}: {path!r} is not 'module:function'")
+        if self.default is not None and self.default.name not in BUILTINS and self.default.name not in self.functions:
+            raise ValueError(f"rewards.default.name: {self.default.name!r} is neither a built-in ({', '.join(sorted(BUILTINS))}) nor in rewards.functions")
+        return self
+
+
 class PlatformConfig(_Section):
     """Everything the platform needs to serve rollouts."""
 
@@ -309,6 +337,7 @@ class PlatformConfig(_Section):
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig, description="The OpenAI routes (vLLM's own server on every replica).")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards scored on the replica as each sample finishes (a request names one, or `rewards.default`).")
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-BENCHMARKS = ("engine_throughput", "weight_sync", "scaling")
+BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream")
 
 
 def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCHMARKS) -> int:
@@ -40,4 +40,8 @@ def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCH
         from rollout.bench.scaling import run as run_scaling
 
         write_result(out_dir, "scaling", run_scaling(model_dir))
+    if "rollout_stream" in only:
+        from rollout.bench.rollout_stream import run as run_stream
+
+        write_result(out_dir, "rollout_stream", run_stream(model_dir))
     return 0

@@ -136,10 +136,28 @@ def soak(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def rollout_stream(r: dict[str, Any]) -> list[str]:
+    lines = [
+        f"**rollout_stream** ({r['requests']} requests, max_tokens {r['max_tokens']}; one replica; {r['rounds']} rounds a path, {r['order']}): "
+        f"one `generate` of all of them vs `client.stream(requests, max_in_flight={r['max_in_flight']})`. Medians (range).",
+        "",
+        "| path | first result | all results | tokens/s |",
+        "|---|---|---|---|",
+    ]
+    for name, m in r["summary"].items():
+        first, last, rate = m["first_result_s"], m["all_results_s"], m["tokens_per_s"]
+        lines.append(
+            f"| {name} | {first['median']:.2f} s ({first['range'][0]:.2f}-{first['range'][1]:.2f}) | {last['median']:.2f} s "
+            f"({last['range'][0]:.2f}-{last['range'][1]:.2f}) | {rate['median']:,.0f} ({_range(rate['range'])}) |"
+        )
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_throughput": engine_throughput,
     "weight_sync": weight_sync,
     "scaling": scaling,
+    "rollout_stream": rollout_stream,
     "soak": soak,
 }
 

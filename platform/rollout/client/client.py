@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
 
 from pydantic import ValidationError
 
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
+from rollout.client.rollout_stream import RolloutStream
 from rollout.client.transport import DEFAULT_TIMEOUT_S, Transport
 from rollout.errors import from_validation_error
 
@@ -96,8 +97,25 @@ class RolloutClient:
             return []
         return await self._transport().generate(reqs)
 
-    async def stream(self, request: RequestLike) -> AsyncIterator[RolloutChunk]:
-        """Yield a request's tokens as they are generated. Leaving the loop aborts it."""
+    def stream(self, requests: Union[RequestLike, Iterable[Any], AsyncIterable[Any]], max_in_flight: Optional[int] = None):
+        """Two streams, told apart by what is passed:
+
+        - ``stream(request)``: one request's tokens as they are generated
+          (:class:`RolloutChunk`; ``n`` samples interleaved). Leaving the loop aborts it.
+        - ``stream(requests, max_in_flight=N)``: the finished :class:`RolloutResult` of
+          every request of an iterable (sync or async, possibly endless), in finishing
+          order, never more than N in flight; wrap a request in ``Eval`` for
+          ``.evals()`` (see :mod:`rollout.client.rollout_stream`).
+        """
+        if isinstance(requests, (RolloutRequest, dict)):
+            if max_in_flight is not None:
+                raise TypeError("max_in_flight is for a stream of many requests; stream(request) streams one request's tokens")
+            return self._token_stream(requests)
+        if max_in_flight is None:
+            raise TypeError("stream(requests) needs max_in_flight: how many requests may be in flight at once")
+        return RolloutStream(self, requests, max_in_flight)
+
+    async def _token_stream(self, request: RequestLike) -> AsyncIterator[RolloutChunk]:
         (req,) = _as_requests([request])
         async for chunk in self._transport().stream(req):
             yield chunk
@@ -118,7 +136,7 @@ class RolloutClient:
 
     def stream_sync(self, request: RequestLike) -> Iterator[RolloutChunk]:
         loop = self._loop()
-        agen = self.stream(request).__aiter__()
+        agen = self._token_stream(request).__aiter__()
         try:
             while True:
                 try:

@@ -8,6 +8,7 @@ concurrent single-request calls), while one call per batch costs almost nothing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -16,13 +17,14 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 from pydantic import ValidationError
 
-from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
+from rollout.api import RolloutChunk, RolloutRequest, RolloutResult, Sample
 from rollout.config import PlatformConfig
 from rollout.engine.load import ReplicaLoad
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, check_request
 from rollout.errors import EngineUnavailableError, InvalidRequestError, NotServingError, StaleWeightsError, from_validation_error
 from rollout.logs import show_platform_logs
+from rollout.rewards import RewardScorer, Scorer
 from rollout.sync.version import INITIAL_VERSION_LABEL, version_of
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class RolloutEngine:
         show_platform_logs()
         self.config = PlatformConfig.model_validate(config)
         self.replica_id = self._replica_id()
+        self.rewards = RewardScorer.from_config(self.config.rewards)  # imports rewards.functions: a bad path fails here
         self.metrics = None
         stat_loggers = []
         if self.config.metrics.enabled:
@@ -141,10 +144,21 @@ class RolloutEngine:
             ids = self._prompt_ids(req)
             try:
                 check_request(req, ids, self.limits)
+                self._reward_scorer(req)
             except InvalidRequestError as e:
                 raise e.at(f"requests[{i}]") from None
             prepared.append((req, ids))
         return prepared
+
+    def _reward_scorer(self, req: RolloutRequest) -> Optional[Scorer]:
+        return self.rewards.resolve(req.reward or self.rewards.default)
+
+    async def _scored(self, req: RolloutRequest, samples: list[Sample]) -> list[Sample]:
+        scorer = self._reward_scorer(req)  # (checked when the request was prepared)
+        if scorer is None:
+            return samples
+        outcomes = await asyncio.gather(*(self.rewards.score(scorer, s.text or "") for s in samples))
+        return [s.model_copy(update=o.fields()) for s, o in zip(samples, outcomes)]
 
     def _engine_request_id(self, req: RolloutRequest) -> str:
         # Callers may reuse ids; vLLM needs them unique among live requests.
@@ -184,7 +198,7 @@ class RolloutEngine:
             final = out
         outputs = sorted(final.outputs, key=lambda c: c.index)
         self._served(len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
-        samples = [to_sample(c) for c in outputs]
+        samples = await self._scored(req, [to_sample(c) for c in outputs])
         committed = self.sync.known_committed if self.sync is not None else 0
         versions = [version_of(sp.version) for sample in samples for sp in sample.weight_versions]
         return RolloutResult(
@@ -283,11 +297,18 @@ class RolloutEngine:
         params = to_sampling_params(req.sampling, req.n, stream=True)
         self._enter(1)
         first, generated, started = True, 0, time.monotonic()
+        scorer = self._reward_scorer(req)
+        texts: dict[int, str] = collections.defaultdict(str)  # each sample's text so far, for its reward
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._engine_request_id(req)):
                 for c in out.outputs:
                     generated += len(c.token_ids)
-                    yield to_chunk(req.request_id, c, prompt_ids if first else None)
+                    chunk = to_chunk(req.request_id, c, prompt_ids if first else None)
+                    if scorer is not None:
+                        texts[c.index] += chunk.text
+                        if chunk.finish_reason is not None:
+                            chunk = chunk.model_copy(update=(await self.rewards.score(scorer, texts.pop(c.index))).fields())
+                    yield chunk
                     first = False
             self._served(len(prompt_ids), generated, started)
         except (asyncio.CancelledError, GeneratorExit):
