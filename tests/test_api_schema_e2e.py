@@ -2,7 +2,7 @@
 generated request, valid or not, gets an answer the schema documents (status, content
 type, body) and never a 5xx; every request the schema calls invalid is refused.
 
-The token API and the health route get both kinds. The weight-sync and vLLM RL routes
+The token API (episodes included) and the health route get both kinds. The weight-sync and vLLM RL routes
 change the served weights, so they get what cannot change them: bodies and parameters the
 schema calls invalid on every one, and valid calls on the read-only ones; after that, the
 platform must be exactly where it was (their valid calls have tests of their own)."""
@@ -20,7 +20,7 @@ from tests.conftest import API_KEY, SYNC_TOKEN
 
 pytestmark = pytest.mark.e2e
 
-ROUTES = r"^/(v1/rollouts(/stream)?|healthz)$"
+ROUTES = r"^/(v1/rollouts(/stream)?|v1/episodes(/.*)?|healthz)$"
 RL_ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "get_world_size", "init_weight_transfer_engine", "shutdown_weight_transfer_engine",
              "start_weight_update", "update_weights", "finish_weight_update", "weight_info", "update_weight_version", "collective_rpc", "weight_checker")
 SYNC_ROUTES = rf"^/(v1/sync/.+|{'|'.join(RL_ROUTES)})$"
@@ -33,7 +33,7 @@ EXAMPLES = 12  # per operation and mode (the suite runs in 25 minutes; `make soa
 def test_every_answer_is_one_the_schema_documents(base_url):
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json").include(path_regex=ROUTES)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} == {"/v1/rollouts", "/v1/rollouts/stream", "/healthz"}
+    assert {op.path for op in operations} == {"/v1/rollouts", "/v1/rollouts/stream", "/v1/episodes", "/v1/episodes/{episode_id}/turns", "/v1/episodes/{episode_id}", "/healthz"}
     # Positive: bodies the schema calls valid. Negative: bodies it calls invalid, which must
     # be refused with a documented 4xx (schemathesis's negative_data_rejection).
     # (GET /healthz takes no input: nothing to make invalid.)

@@ -163,13 +163,15 @@ async def test_turns_of_a_session_stay_on_one_replica(scaling_app):
     assert len(set().union(*placement.values())) == 2, "sessions spread over both replicas"
 
 
-def _engine_core_of(replica_id: str) -> psutil.Process:
+def _engine_processes_of(replica_id: str) -> list[psutil.Process]:
+    """The replica's child processes: vLLM's engine core and its workers. (All of them: a
+    child's title, "VLLM::EngineCore", is not always visible by the time it is asked.)"""
     from ray.util.state import list_actors
 
     (actor,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000) if a.name and a.name.endswith(f"#{replica_id}")]
     children = psutil.Process(actor.pid).children(recursive=True)
-    (core,) = [p for p in children if "EngineCore" in " ".join(p.cmdline())]
-    return core
+    assert children, f"replica {replica_id} (pid {actor.pid}) has no engine processes"
+    return children
 
 
 async def test_a_stuck_replica_is_removed_from_routing_and_replaced(scaling_app):
@@ -177,8 +179,9 @@ async def test_a_stuck_replica_is_removed_from_routing_and_replaced(scaling_app)
     client = RolloutClient.connect(app_name=APP)
     results = await asyncio.gather(*(client.generate([RolloutRequest(prompt=f"probe {i}", session_id=f"s{i}", sampling=SamplingConfig(max_tokens=2))]) for i in range(8)))
     victim = sorted({r.replica_id for (r,) in results})[0]
-    core = await asyncio.to_thread(_engine_core_of, victim)
-    os.kill(core.pid, signal.SIGSTOP)  # the engine hangs; its process stays alive
+    engine = await asyncio.to_thread(_engine_processes_of, victim)
+    for p in engine:
+        os.kill(p.pid, signal.SIGSTOP)  # the engine hangs; its processes stay alive
     try:
         # Requests in flight on the victim make it "stuck" (no engine step for stuck_timeout_s).
         inflight = [asyncio.create_task(client.generate([long_request(50, session_id=f"s{i}")])) for i in range(8)]
@@ -192,10 +195,11 @@ async def test_a_stuck_replica_is_removed_from_routing_and_replaced(scaling_app)
             t.cancel()
         await asyncio.gather(*inflight, return_exceptions=True)
     finally:
-        try:
-            os.kill(core.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        for p in engine:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     after = await asyncio.gather(*(client.generate([RolloutRequest(prompt=f"after {i}", session_id=f"s{i}", sampling=SamplingConfig(max_tokens=2))]) for i in range(16)))
     assert victim not in {r.replica_id for (r,) in after}
 

@@ -178,11 +178,13 @@ class Unreachable:
 def replica_with(agent, max_staleness=None):
     from rollout.config import load_config
     from rollout.engine.replica import RolloutEngine
+    from rollout.rewards import RewardScorer
 
     r = object.__new__(RolloutEngine)  # the admission rule only: no vLLM engine behind it
     r.config = load_config({"model": {"path": "/models/x"}, "sync": {"max_staleness": max_staleness}}, environ={})
     r.replica_id, r.sync = "r", agent
     r.engine = LiveEngine()
+    r.rewards = RewardScorer.from_config(r.config.rewards)
     return r
 
 

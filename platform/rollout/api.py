@@ -192,6 +192,63 @@ class RolloutChunk(_Scored):
     prompt_token_ids: Optional[List[int]] = Field(default=None, description="Set on the first chunk of the request only.")
 
 
+class EpisodeStart(_Input):
+    """Begin a token-exact episode: its first messages, rendered once with the chat template."""
+
+    messages: List[ChatMessage] = Field(min_length=1, description="The episode's opening messages (system, user).")
+    max_turns: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(default=None, description="Model turns at most; capped by `episodes.max_turns`.")
+    max_tokens: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(default=None, description="Tokens in the whole episode at most; capped by the context length.")
+
+
+class EpisodeRef(_Input):
+    """Names an episode (its id also names the replica holding it)."""
+
+    episode_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+
+
+class EpisodeTurnBody(_Input):
+    """Body of ``POST /v1/episodes/{episode_id}/turns``: the messages since the model's last
+    turn (none before the first), then a sample."""
+
+    messages: List[ChatMessage] = Field(default_factory=list, description="New environment, tool or user messages, appended as rendered tokens.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+
+
+class EpisodeTurn(EpisodeTurnBody, EpisodeRef):
+    """One model turn of an episode."""
+
+
+class EpisodeStarted(_Model):
+    episode_id: str
+    prompt_token_ids: List[int] = Field(description="The opening messages as rendered, with the generation prompt.")
+    replica_id: str
+
+
+class TurnResult(_Model):
+    episode_id: str
+    turn: int = Field(description="1 for the first model turn.")
+    appended_token_ids: List[int] = Field(description="The new messages' tokens put before this turn (not the model's).")
+    sample: Sample = Field(description="The model's turn: exactly the tokens it sampled, with their logprobs.")
+    replica_id: str
+
+
+class ModelTurnSpan(_Model):
+    start: int
+    end: int
+    finish_reason: Optional[FinishReason] = None
+    weight_versions: List[WeightVersionSpan] = Field(default_factory=list, description="Positions in the whole trajectory.")
+
+
+class Trajectory(_Model):
+    """The whole episode: every token, which of them the model sampled, and their logprobs."""
+
+    episode_id: str
+    token_ids: List[int]
+    loss_mask: List[int] = Field(description="1 for the model's tokens, 0 for everything rendered from messages.")
+    logprobs: List[Optional[float]] = Field(description="The model's logprob of each of its tokens; null for the others.")
+    turns: List[ModelTurnSpan]
+
+
 class RolloutBatch(_Input):
     """Body of ``POST /v1/rollouts``."""
 

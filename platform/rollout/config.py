@@ -326,6 +326,14 @@ class RewardsConfig(_Section):
         return self
 
 
+class EpisodesConfig(_Section):
+    """Token-exact multi-turn episodes, kept on the replica that serves them."""
+
+    max_per_replica: int = Field(default=1024, ge=1, le=1_000_000, description="Episodes one replica holds at most, 1..1000000; starting one more is refused (400).")
+    max_turns: int = Field(default=64, ge=1, le=10_000, description="Model turns per episode at most, 1..10000 (an episode may ask for fewer).")
+    idle_expiry_s: float = Field(default=600.0, gt=0, le=86_400, description="An episode idle this long is dropped, (0, 86400]; its next turn gets `EpisodeLostError`.")
+
+
 class PlatformConfig(_Section):
     """Everything the platform needs to serve rollouts."""
 
@@ -337,6 +345,7 @@ class PlatformConfig(_Section):
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig, description="The OpenAI routes (vLLM's own server on every replica).")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    episodes: EpisodesConfig = Field(default_factory=EpisodesConfig, description="Multi-turn episodes whose token ids stay on the replica (`RolloutClient.start_episode`).")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards scored on the replica as each sample finishes (a request names one, or `rewards.default`).")
 
 

@@ -17,14 +17,14 @@ from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator, Option
 
 from pydantic import ValidationError
 
-from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
-from rollout.client.rollout_stream import RolloutStream
+from rollout.api import EpisodeStart, RolloutChunk, RolloutRequest, RolloutResult
+from rollout.client.episode import Episode
+from rollout.client.rollout_stream import RequestLike, RolloutStream
 from rollout.client.transport import DEFAULT_TIMEOUT_S, Transport
 from rollout.errors import from_validation_error
 
 logger = logging.getLogger(__name__)
 
-RequestLike = Union[RolloutRequest, dict]
 
 
 def _as_requests(requests: Sequence[RequestLike]) -> list[RolloutRequest]:
@@ -119,6 +119,16 @@ class RolloutClient:
         (req,) = _as_requests([request])
         async for chunk in self._transport().stream(req):
             yield chunk
+
+    async def start_episode(self, messages: Sequence[Any], max_turns: Optional[int] = None, max_tokens: Optional[int] = None) -> Episode:
+        """Begin a token-exact multi-turn episode on one replica (see :mod:`rollout.client.episode`)."""
+        try:
+            start = EpisodeStart.model_validate({"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens})
+        except ValidationError as e:
+            raise from_validation_error(e, "episode") from None
+        transport = self._transport()
+        started = await transport.call("start_episode", start)
+        return Episode(transport, started.episode_id, started.prompt_token_ids)
 
     async def stats(self) -> Any:
         """Load and weight version of one engine replica (handle transport only)."""

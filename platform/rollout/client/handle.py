@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
 from rollout.batching import fan_out
@@ -71,6 +71,16 @@ class HandleTransport:
 
     async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
         return await fan_out(self._call, requests, self._batch_size)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """One call of another engine method (the episodes'): within the deadline, errors
+        typed, never retried elsewhere (an episode's tokens live on one replica)."""
+        try:
+            return await self._within_deadline(getattr(self._handle, method).remote(*args), method)
+        except _ClientDeadline:
+            raise
+        except Exception as e:
+            raise self._typed(e) from None
 
     async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
         sent: dict[int, list[int]] = {}  # sample index -> token ids already yielded

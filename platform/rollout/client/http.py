@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence
 
 import httpx
 
-from rollout.api import RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult
+from rollout.api import EpisodeStarted, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
+from rollout.episodes import EpisodeLostError
 from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, OverloadedError, ReplicaLostError, RolloutError, StaleWeightsError
 
 
@@ -23,6 +24,8 @@ def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
     message = err.get("message", f"HTTP {resp.status_code}")
     if resp.status_code in (401, 403):
         raise AuthenticationError(message)
+    if resp.status_code == 404 and err.get("type") == "episode_lost":
+        raise EpisodeLostError(message)
     if resp.status_code in (400, 404, 413, 422):
         raise InvalidRequestError(err.get("field", "request"), message)
     if resp.status_code == 409 and err.get("type") == "stale_weights":
@@ -45,16 +48,36 @@ class HttpTransport:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
 
-    async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
-        body = RolloutBatch(requests=list(requests)).model_dump(mode="json", exclude_none=True)
+    async def _request(self, method: str, path: str, body: Optional[dict] = None) -> httpx.Response:
         try:
-            resp = await self._client.post("/v1/rollouts", json=body)
+            resp = await self._client.request(method, path, json=body)
         except httpx.TimeoutException as e:
-            raise EngineUnavailableError(f"/v1/rollouts: no answer within the client's timeout_s ({type(e).__name__})") from None
+            raise EngineUnavailableError(f"{path}: no answer within the client's timeout_s ({type(e).__name__})") from None
         except httpx.TransportError as e:
-            raise EngineUnavailableError(f"/v1/rollouts: the connection to the ingress broke ({type(e).__name__}: {e})") from None
+            raise EngineUnavailableError(f"{path}: the connection to the ingress broke ({type(e).__name__}: {e})") from None
         raise_for_error(resp)
+        return resp
+
+    async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
+        resp = await self._request("POST", "/v1/rollouts", RolloutBatch(requests=list(requests)).model_dump(mode="json", exclude_none=True))
         return RolloutBatchResult.model_validate_json(resp.content).results
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """The episode calls, over their routes."""
+        if method == "start_episode":
+            (start,) = args
+            resp = await self._request("POST", "/v1/episodes", start.model_dump(mode="json", exclude_none=True))
+            return EpisodeStarted.model_validate_json(resp.content)
+        if method == "episode_turn":
+            (turn,) = args
+            body = turn.model_dump(mode="json", exclude_none=True, exclude={"episode_id"})
+            resp = await self._request("POST", f"/v1/episodes/{turn.episode_id}/turns", body)
+            return TurnResult.model_validate_json(resp.content)
+        if method == "episode_trajectory":
+            ref, end = args
+            resp = await self._request("DELETE" if end else "GET", f"/v1/episodes/{ref.episode_id}")
+            return Trajectory.model_validate_json(resp.content)
+        raise ValueError(f"no HTTP route for engine method {method!r}")
 
     async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
         body = request.model_dump(mode="json", exclude_none=True)

@@ -21,26 +21,31 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Iterable, Union
+from typing import Any, AsyncIterable, AsyncIterator, Iterable, Protocol, Sequence, Union
 
 from rollout.api import RolloutRequest, RolloutResult
 
-if TYPE_CHECKING:
-    from rollout.client.client import RequestLike, RolloutClient
+RequestLike = Union[RolloutRequest, dict]
+
+
+class _Generates(Protocol):
+    """What the stream needs of ``RolloutClient``."""
+
+    async def generate(self, requests: Sequence[RequestLike]) -> list[RolloutResult]: ...
 
 
 @dataclass(frozen=True)
 class Eval:
     """Marks a request for the evaluation stream (``RolloutStream.evals()``)."""
 
-    request: Union[RolloutRequest, dict]
+    request: RequestLike
 
 
 _END = object()
 
 
 class RolloutStream:
-    def __init__(self, client: "RolloutClient", requests: Union[Iterable[Any], AsyncIterable[Any]], max_in_flight: int):
+    def __init__(self, client: _Generates, requests: Union[Iterable[Any], AsyncIterable[Any]], max_in_flight: int):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self._client = client
@@ -121,7 +126,7 @@ class RolloutStream:
 
     async def _run(self, item: Any) -> None:
         is_eval = isinstance(item, Eval)
-        request: "RequestLike" = item.request if is_eval else item
+        request: RequestLike = item.request if is_eval else item
         try:
             (result,) = await self._client.generate([request])
             outcome: Any = result

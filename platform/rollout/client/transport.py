@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
 
@@ -15,5 +15,9 @@ class Transport(Protocol):
     async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]: ...
 
     def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]: ...
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """An engine method other than generation: the episodes' (start_episode,
+        episode_turn, episode_trajectory)."""
 
     async def close(self) -> None: ...

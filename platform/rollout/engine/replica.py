@@ -13,30 +13,49 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence, TypeVar
 
 from pydantic import ValidationError
 
-from rollout.api import RolloutChunk, RolloutRequest, RolloutResult, Sample
+from rollout.api import (
+    EpisodeRef,
+    EpisodeStart,
+    EpisodeStarted,
+    EpisodeTurn,
+    ModelTurnSpan,
+    RolloutChunk,
+    RolloutRequest,
+    RolloutResult,
+    Sample,
+    Trajectory,
+    TurnResult,
+)
 from rollout.config import PlatformConfig
 from rollout.engine.load import ReplicaLoad
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, check_request
+from rollout.episodes import EpisodeState, EpisodeStore, episode_id_for, render_after_model_turn, render_initial
 from rollout.errors import EngineUnavailableError, InvalidRequestError, NotServingError, StaleWeightsError, from_validation_error
 from rollout.logs import show_platform_logs
 from rollout.rewards import RewardScorer, Scorer
 from rollout.sync.version import INITIAL_VERSION_LABEL, version_of
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _coerce_as(model: type[T], value: Any, where: str) -> T:
+    """``value`` as ``model`` (a dict from a caller that does not import our types)."""
+    if isinstance(value, model):
+        return value
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise from_validation_error(e, where) from None
 
 
 def _coerce(req: Any, where: str) -> RolloutRequest:
-    if isinstance(req, RolloutRequest):
-        return req
-    try:
-        return RolloutRequest.model_validate(req)
-    except ValidationError as e:
-        raise from_validation_error(e, where) from None
+    return _coerce_as(RolloutRequest, req, where)
 
 
 class RolloutEngine:
@@ -54,6 +73,7 @@ class RolloutEngine:
         self.config = PlatformConfig.model_validate(config)
         self.replica_id = self._replica_id()
         self.rewards = RewardScorer.from_config(self.config.rewards)  # imports rewards.functions: a bad path fails here
+        self.episodes = EpisodeStore(self.config.episodes.max_per_replica, self.config.episodes.idle_expiry_s)
         self.metrics = None
         stat_loggers = []
         if self.config.metrics.enabled:
@@ -122,14 +142,7 @@ class RolloutEngine:
             return list(req.prompt_token_ids)
         if req.prompt is not None:
             return list(self.tokenizer.encode(req.prompt))
-        try:
-            return list(
-                self.tokenizer.apply_chat_template(
-                    [m.model_dump() for m in req.messages], add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
-        except Exception as e:  # a template that rejects the roles, for example
-            raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None
+        return render_initial(self.tokenizer, [m.model_dump() for m in req.messages])
 
     def _prepare(self, requests: Sequence[Any], offset: int = 0) -> list[tuple[RolloutRequest, list[int]]]:
         if len(requests) > self.config.limits.max_requests_per_call:
@@ -350,6 +363,64 @@ class RolloutEngine:
             yield b"".join(body)
         finally:
             self.inflight -= 1
+
+    # ---- episodes ---------------------------------------------------------------
+
+    async def start_episode(self, start: Any) -> EpisodeStarted:
+        start = _coerce_as(EpisodeStart, start, "episode")
+        self._raise_if_not_serving()
+        cap = self.config.episodes.max_turns
+        if start.max_turns is not None and start.max_turns > cap:
+            raise InvalidRequestError("max_turns", f"{start.max_turns} exceeds episodes.max_turns={cap}")
+        if start.max_tokens is not None and start.max_tokens > self.limits.max_model_len:
+            raise InvalidRequestError("max_tokens", f"{start.max_tokens} exceeds the context length max_model_len={self.limits.max_model_len}")
+        ids = render_initial(self.tokenizer, [m.model_dump() for m in start.messages])
+        episode = EpisodeState(episode_id_for(self.replica_id), [], [], [], start.max_turns or cap, start.max_tokens or self.limits.max_model_len)
+        if len(ids) >= episode.max_tokens:
+            raise InvalidRequestError("messages", f"the opening messages are {len(ids)} tokens; the episode may hold {episode.max_tokens} (max_tokens, at most the context)")
+        episode.append(ids, model=False)
+        self.episodes.add(episode)
+        return EpisodeStarted(episode_id=episode.episode_id, prompt_token_ids=ids, replica_id=self.replica_id)
+
+    async def episode_turn(self, turn: Any) -> TurnResult:
+        turn = _coerce_as(EpisodeTurn, turn, "turn")
+        episode = self.episodes.get(turn.episode_id)
+        if episode.busy:
+            raise InvalidRequestError("episode_id", f"a turn of episode {turn.episode_id} is already running; wait for it")
+        if len(episode.turns) >= episode.max_turns:
+            raise InvalidRequestError("episode_id", f"episode {turn.episode_id} has had its {episode.max_turns} turns (max_turns)")
+        if turn.messages and not episode.turns:
+            raise InvalidRequestError("messages", "the first turn takes none: the opening messages were rendered when the episode started")
+        appended = render_after_model_turn(self.tokenizer, [m.model_dump() for m in turn.messages], episode.token_ids[-1]) if turn.messages else []
+        total = len(episode.token_ids) + len(appended) + turn.sampling.max_tokens
+        if total > episode.max_tokens:
+            raise InvalidRequestError(
+                "sampling.max_tokens", f"the episode would reach {total} tokens ({len(episode.token_ids)} so far, {len(appended)} new); its max_tokens is {episode.max_tokens}"
+            )
+        request = RolloutRequest(prompt_token_ids=episode.token_ids + appended, sampling=turn.sampling, session_id=turn.episode_id)
+        episode.busy = True
+        try:
+            (result,) = await self.generate([request])
+        finally:
+            episode.busy = False
+        sample = result.samples[0]
+        episode.append(appended, model=False)
+        start = len(episode.token_ids)
+        episode.append(sample.token_ids, model=True, logprobs=sample.logprobs)
+        episode.turns.append(
+            ModelTurnSpan(
+                start=start,
+                end=len(episode.token_ids),
+                finish_reason=sample.finish_reason,
+                weight_versions=[sp.model_copy(update={"start": sp.start + start, "end": sp.end + start}) for sp in sample.weight_versions],
+            )
+        )
+        return TurnResult(episode_id=turn.episode_id, turn=len(episode.turns), appended_token_ids=appended, sample=sample, replica_id=self.replica_id)
+
+    async def episode_trajectory(self, ref: Any, end: bool = False) -> Trajectory:
+        ref = _coerce_as(EpisodeRef, ref, "episode")
+        episode = self.episodes.pop(ref.episode_id) if end else self.episodes.get(ref.episode_id)
+        return Trajectory(episode_id=episode.episode_id, token_ids=episode.token_ids, loss_mask=episode.loss_mask, logprobs=episode.logprobs, turns=episode.turns)
 
     def _with_version(self, start: dict, version: str) -> dict:
         headers = [(k, v) for k, v in start["headers"] if k.lower() != "content-length"]

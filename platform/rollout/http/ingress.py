@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from ray import serve
 
-from rollout.api import RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
+from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, EpisodeTurnBody, Trajectory, TurnResult, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
 from rollout.client.handle import HandleTransport
 from rollout.config import PlatformConfig
 from rollout.errors import (
@@ -28,6 +28,7 @@ from rollout.errors import (
 )
 from rollout.logs import show_platform_logs
 from rollout.engine.openai_app import ForwardedRequest, routing_hint
+from rollout.episodes import EpisodeLostError
 from rollout.sync.protocol import SyncError
 from rollout.sync.remote import OUTCOME, PLAN, SYNC_TOKEN_HEADER, BeginRoundBody, FinishBody
 
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-ID"  # what agent frameworks send to keep a conversation on one replica
 
-from rollout.http.routes_app import REQUEST_ERRORS, SYNC_ERRORS, app  # noqa: E402  (the routes below and in rl_routes share it)
+from rollout.http.routes_app import EPISODE_ERRORS, REQUEST_ERRORS, SYNC_ERRORS, app  # noqa: E402  (the routes below and in rl_routes share it)
 from rollout.http.rl_routes import VllmRlRoutes  # noqa: E402
 
 
@@ -75,6 +76,11 @@ async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
 @app.exception_handler(InvalidRequestError)
 async def _on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
     return _error(400, str(exc), exc.field)
+
+
+@app.exception_handler(EpisodeLostError)
+async def _on_episode_lost(request: Request, exc: EpisodeLostError) -> JSONResponse:
+    return _error(404, str(exc), kind="episode_lost")
 
 
 @app.exception_handler(AuthenticationError)
@@ -186,6 +192,24 @@ class HttpIngress(VllmRlRoutes):
                 yield c.model_dump_json(exclude_none=True) + "\n"
 
         return NdjsonResponse(ndjson())
+
+    # ---- episodes: each call goes to the replica holding the episode (its id names it) --
+
+    @app.post("/v1/episodes", dependencies=[Depends(require_key)], responses=REQUEST_ERRORS)
+    async def episode_start(self, start: EpisodeStart) -> EpisodeStarted:
+        return await self.engine.call("start_episode", start)
+
+    @app.post("/v1/episodes/{episode_id}/turns", dependencies=[Depends(require_key)], responses=EPISODE_ERRORS)
+    async def episode_turn(self, episode_id: str, body: EpisodeTurnBody) -> TurnResult:
+        return await self.engine.call("episode_turn", EpisodeTurn(episode_id=episode_id, messages=body.messages, sampling=body.sampling))
+
+    @app.get("/v1/episodes/{episode_id}", dependencies=[Depends(require_key)], responses=EPISODE_ERRORS)
+    async def episode_get(self, episode_id: str) -> Trajectory:
+        return await self.engine.call("episode_trajectory", EpisodeRef(episode_id=episode_id), False)
+
+    @app.delete("/v1/episodes/{episode_id}", dependencies=[Depends(require_key)], responses=EPISODE_ERRORS)
+    async def episode_end(self, episode_id: str) -> Trajectory:
+        return await self.engine.call("episode_trajectory", EpisodeRef(episode_id=episode_id), True)
 
     # ---- the OpenAI routes: vLLM's own server on the replica the router picks ----------
 

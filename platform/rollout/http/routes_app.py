@@ -36,6 +36,7 @@ REQUEST_ERRORS: dict[int | str, dict[str, Any]] = {
     429: {"model": ErrorResponse, "description": "Overloaded: the queue (`deployment.max_queued_requests`) is full; retry after `Retry-After` seconds."},
     503: {"model": ErrorResponse, "description": "No engine can serve it now (retryable)."},
 }
+EPISODE_ERRORS = {**REQUEST_ERRORS, 404: {"model": ErrorResponse, "description": "The episode is not on the replica its id names: it ended, expired or its replica restarted (`episode_lost`)."}}
 SYNC_ERRORS = {**{k: v for k, v in REQUEST_ERRORS.items() if k != 409}, 409: {"model": ErrorResponse, "description": "The sync round was refused or failed; replicas keep the committed version."}}
 
 

@@ -14,6 +14,7 @@ from typing import Any, List, Optional
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from rollout.engine.load import ReplicaLoad
+from rollout.episodes import replica_of
 from rollout.routing.affinity import affinity_key, rank
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,24 @@ class AffinityRouter(RequestRouter):
             first = first[0] if first else None
         return affinity_key(first, self.prefix_tokens, self.prefix_chars) if first is not None else None
 
+    @staticmethod
+    def _pinned(pending_request: Optional[PendingRequest]) -> Optional[str]:
+        """The replica an episode call must go to: the one its episode id names."""
+        if pending_request is None or not pending_request.args:
+            return None
+        first = pending_request.args[0]
+        episode_id = first.get("episode_id") if isinstance(first, dict) else getattr(first, "episode_id", None)
+        return replica_of(episode_id) if isinstance(episode_id, str) else None
+
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pinned = self._pinned(pending_request)
+        if pinned in by_id:
+            # Only that replica holds the episode's tokens: wait for it rather than go elsewhere.
+            return [[by_id[pinned]]]
+        # (A pinned replica that is gone: any replica answers EpisodeLostError.)
         loads = [ReplicaLoad.from_routing_stats(rid, r.routing_stats) for rid, r in by_id.items()]
         ranked = rank(self._key(pending_request), loads, self.max_imbalance)
         # One replica per rank: Serve tries them in order if one is at max_ongoing_requests.

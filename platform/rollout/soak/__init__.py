@@ -53,8 +53,8 @@ KILLS_A_REPLICA = {"kill_engine_replica", "kill_coordinator_idle", "kill_coordin
 # Per replica, and waiting at each caller: small, so the overfill fault's burst exceeds them.
 MAX_ONGOING, MAX_QUEUED = 16, 16
 OVERFILL_CALLS = 2 * (2 * MAX_ONGOING + MAX_QUEUED)
-# The engine deployment's settings under soak; all applied by Serve itself (changing them on
-# a running app restarts nothing), so a test can soak the platform it already runs.
+# The engine deployment's settings under soak (all applied by Serve itself: changing them on
+# a running app restarts nothing, so they can be put on a platform that is already up).
 SOAK_DEPLOYMENT = {"replicas": 2, "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED, "health_check_period_s": 2}
 NOTICE_WITHIN_S = 20.0  # Serve's health check (2 s period, 10 s timeout here) notices a killed replica by then
 
@@ -415,6 +415,10 @@ async def soak(run: SoakRun) -> dict[str, Any]:
         f"no process grew by more than {MEMORY_GROWTH_BOUND_MB:.0f} MiB": all(m["max_process_growth_mb"] <= MEMORY_GROWTH_BOUND_MB for m in memory.values()),
         "weights were published": len(trainer.committed) > 0,
     }
+    if k >= len(FAULTS):  # the run had a mark for each kind
+        checks["every kind of fault was injected"] = {f["fault"] for f in faults} == set(FAULTS)
+    if "overfill" in tally.outcomes:
+        checks["the overfilled queue refused calls with 429"] = tally.outcomes["overfill"].get("OverloadedError (429)", 0) > 0
     return {
         "benchmark": "soak",
         "duration_s": run.duration_s,

@@ -1,0 +1,129 @@
+"""Token-exact multi-turn episodes, kept on the replica that serves them.
+
+Re-rendering a chat history every turn re-tokenizes what the model generated, and the ids
+can differ from the ones it sampled (a decode/encode round trip is not the identity), so
+the trainer's logprobs stop matching the tokens it trains on. An episode instead keeps
+its token ids: each turn appends only the new messages (environment, tool, user),
+rendered with the model's chat template on their own, after the exact tokens the model
+sampled; the model's turn is sampled from all of them. The trajectory has a per-token
+``loss_mask`` (1 for the model's tokens) and the model's logprobs.
+
+State lives in the replica's memory (bounded: episodes per replica, turns and tokens per
+episode, idle expiry). An episode's id names its replica, and the router sends its turns
+there; when that replica is gone, a turn fails with :class:`EpisodeLostError` instead of
+silently starting over.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from rollout.errors import InvalidRequestError, RolloutError
+
+# Stands for the model's last turn when the template renders the new messages: whatever
+# the template writes after it (closing the assistant turn, opening the next) is the delta.
+_TURN_END_SENTINEL = "\u2063rollout-model-turn\u2063"
+_BASE = [{"role": "user", "content": "\u2063"}]
+
+
+class EpisodeLostError(RolloutError):
+    """The episode is not on the replica its id names: it ended, expired, or its replica
+    restarted. Not retryable: start a new episode."""
+
+
+def episode_id_for(replica_id: str) -> str:
+    return f"{replica_id}.{uuid.uuid4().hex}"
+
+
+def replica_of(episode_id: str) -> Optional[str]:
+    """The replica an episode id names (the router's pin), None for a malformed id."""
+    replica, sep, _ = episode_id.partition(".")
+    return replica if sep and replica else None
+
+
+def _apply_template(tokenizer: Any, messages: Sequence[dict], tokenize: bool) -> Any:
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=tokenize, return_dict=False)
+    except Exception as e:  # a template that rejects the roles, for example
+        raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None
+
+
+def render_initial(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    return list(_apply_template(tokenizer, messages, tokenize=True))
+
+
+def render_after_model_turn(tokenizer: Any, messages: Sequence[dict], last_token: Optional[int]) -> list[int]:
+    """The token ids of ``messages`` as the chat template writes them after a model turn
+    (closing that turn, then the messages, then the generation prompt), tokenized on their
+    own. When the model's own last token already closed its turn, it is not repeated."""
+    base = _BASE + [{"role": "assistant", "content": _TURN_END_SENTINEL}]
+    text = _apply_template(tokenizer, base + list(messages), tokenize=False)
+    at = text.find(_TURN_END_SENTINEL)
+    if at < 0:
+        raise InvalidRequestError("messages", "the chat template drops the model's turn; episodes need a template that keeps it")
+    ids = list(tokenizer.encode(text[at + len(_TURN_END_SENTINEL):], add_special_tokens=False))
+    if ids and last_token is not None and ids[0] == last_token:
+        ids = ids[1:]
+    return ids
+
+
+@dataclass
+class EpisodeState:
+    episode_id: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[Optional[float]]
+    max_turns: int
+    max_tokens: int
+    turns: list[Any] = field(default_factory=list)  # ModelTurnSpan of each model turn
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False  # a turn is running: a second one at once would interleave tokens
+
+    def append(self, ids: Sequence[int], model: bool, logprobs: Optional[Sequence[float]] = None) -> None:
+        self.token_ids += ids
+        self.loss_mask += [1 if model else 0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [None] * len(ids)
+
+
+class EpisodeStore:
+    """The episodes of one replica."""
+
+    def __init__(self, max_episodes: int, idle_expiry_s: float):
+        self.max_episodes = max_episodes
+        self.idle_expiry_s = idle_expiry_s
+        self._episodes: dict[str, EpisodeState] = {}
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    def add(self, episode: EpisodeState) -> None:
+        self._expire()
+        if len(self._episodes) >= self.max_episodes:
+            raise InvalidRequestError(
+                "episode", f"this replica holds episodes.max_per_replica={self.max_episodes} episodes; end some (or let them expire) first"
+            )
+        self._episodes[episode.episode_id] = episode
+
+    def get(self, episode_id: str) -> EpisodeState:
+        self._expire()
+        episode = self._episodes.get(episode_id)
+        if episode is None:
+            raise EpisodeLostError(
+                f"episode {episode_id} is not on this replica: it ended, was idle longer than episodes.idle_expiry_s="
+                f"{self.idle_expiry_s:g} s, or the replica that held it restarted; start a new episode"
+            )
+        episode.last_used = time.monotonic()
+        return episode
+
+    def pop(self, episode_id: str) -> EpisodeState:
+        episode = self.get(episode_id)
+        del self._episodes[episode_id]
+        return episode
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - self.idle_expiry_s
+        for eid in [eid for eid, e in self._episodes.items() if e.last_used < cutoff]:
+            del self._episodes[eid]

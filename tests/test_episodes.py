@@ -1,0 +1,63 @@
+"""Episodes, one module at a time: rendering only the new messages after a model turn (with
+the built model's own tokenizer and chat template), the store's bounds and errors, and the
+router's pin of an episode to its replica."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollout.episodes import EpisodeLostError, EpisodeState, EpisodeStore, episode_id_for, render_after_model_turn, render_initial, replica_of
+from rollout.errors import InvalidRequestError
+from rollout.routing.router import AffinityRouter
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_new_messages_are_rendered_on_their_own_and_close_the_models_turn(tokenizer):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tool = [{"role": "tool", "content": "42"}]
+    after_cut_off = render_after_model_turn(tokenizer, tool, last_token=1234)
+    assert tokenizer.decode(after_cut_off) == "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    # A model turn that ended with the turn's closing token is not closed twice.
+    after_closed = render_after_model_turn(tokenizer, tool, last_token=im_end)
+    assert after_closed == after_cut_off[1:] and after_cut_off[0] == im_end
+
+
+def test_the_opening_messages_are_the_templates_own_rendering(tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    assert render_initial(tokenizer, messages) == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def state(eid: str) -> EpisodeState:
+    return EpisodeState(eid, [], [], [], max_turns=4, max_tokens=100)
+
+
+def test_the_store_is_bounded_and_names_what_happened():
+    store = EpisodeStore(max_episodes=2, idle_expiry_s=0.2)
+    store.add(state("r.a"))
+    store.add(state("r.b"))
+    with pytest.raises(InvalidRequestError, match="episodes.max_per_replica=2"):
+        store.add(state("r.c"))
+    time.sleep(0.3)
+    with pytest.raises(EpisodeLostError, match="idle longer than episodes.idle_expiry_s=0.2 s, or the replica that held it restarted"):
+        store.get("r.a")
+    store.add(state("r.c"))  # the expired ones made room
+    assert store.pop("r.c").episode_id == "r.c" and len(store) == 0
+
+
+def test_an_episode_id_names_its_replica_and_the_router_pins_to_it():
+    eid = episode_id_for("abc123")
+    assert replica_of(eid) == "abc123" and replica_of("no-dot") is None
+
+    class Pending:
+        def __init__(self, arg):
+            self.args = [arg]
+
+    assert AffinityRouter._pinned(Pending({"episode_id": eid})) == "abc123"
+    assert AffinityRouter._pinned(Pending({"prompt": "x"})) is None
