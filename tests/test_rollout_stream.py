@@ -174,3 +174,22 @@ async def _enumerate(aiter):
     async for x in aiter:
         k += 1
         yield k, x
+
+
+def test_an_iterable_that_raises_ends_the_stream_with_its_error_after_what_was_sent():
+    engine = SlowEngine()
+
+    def broken():
+        yield from requests(5)
+        raise RuntimeError("the dataset ran dry")
+
+    async def run():
+        got = []
+        with pytest.raises(RuntimeError, match="ran dry"):
+            async for r in client_over(engine).stream(broken(), max_in_flight=8):
+                got.append(r.request_id)
+        await asyncio.sleep(0)
+        return got
+
+    asyncio.run(run())
+    assert engine.in_flight == 0

@@ -44,6 +44,11 @@ class Eval:
 _END = object()
 
 
+@dataclass(frozen=True)
+class _SourceFailed:
+    error: Exception  # raised by the caller's iterable of requests
+
+
 class RolloutStream:
     def __init__(self, client: _Generates, requests: Union[Iterable[Any], AsyncIterable[Any]], max_in_flight: int):
         if max_in_flight < 1:
@@ -75,6 +80,8 @@ class RolloutStream:
                 item = await queue.get()
                 if item is _END:
                     return
+                if isinstance(item, _SourceFailed):  # no request of its own: no slot to free
+                    raise item.error
                 if holds_slot:
                     self._free_slot()
                 if isinstance(item, BaseException):
@@ -119,7 +126,7 @@ class RolloutStream:
             while self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         except Exception as e:  # the caller's iterable raised: the stream ends with its error
-            await self._train.put(e)
+            await self._train.put(_SourceFailed(e))
         finally:
             for q in (self._train, self._evals):
                 q.put_nowait(_END)

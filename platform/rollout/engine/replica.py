@@ -518,6 +518,9 @@ class RolloutEngine:
         task = getattr(self, "_gauges_task", None)
         if task is not None:
             task.cancel()
+        rewards = getattr(self, "rewards", None)
+        if rewards is not None:
+            rewards.close()
         sync = getattr(self, "sync", None)
         if sync is not None:
             sync.stop()
