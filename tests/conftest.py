@@ -109,6 +109,9 @@ def platform_config(model_dir, tmp_path_factory):
         sync={"timeout_s": 10, "bucket_bytes": 1 << 16},
         # Two reward functions every replica can import: one scores, one raises on most text.
         rewards={"functions": {"length": "builtins:len", "json": "json:loads"}},
+        # A tool by import path with no arguments (a forced call is then fully determined),
+        # and the python tool's limits small enough for tests to reach quickly.
+        tools={"functions": {"python_version": "platform:python_version"}, "python": {"wall_time_s": 6, "cpu_time_s": 2, "memory_mb": 256}},
     )
 
 

@@ -44,6 +44,21 @@ class _Input(_Model):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class StructuredOutputs(_Input):
+    """Exactly one constraint on the sampled text, enforced by vLLM while sampling."""
+
+    json_schema: Optional[Dict[str, Any]] = Field(default=None, description="The text is a JSON value valid under this schema.")
+    regex: Optional[Annotated[str, Field(min_length=1, max_length=10_000)]] = Field(default=None, description="The text matches this regular expression.")
+    choice: Optional[List[Annotated[str, Field(min_length=1)]]] = Field(default=None, min_length=1, max_length=1024, description="The text is one of these strings.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex, choice (got {', '.join(given) or 'none'})")
+        return self
+
+
 class SamplingConfig(_Input):
     """How to sample. Defaults suit RL rollouts (temperature 1, logprobs on)."""
 
@@ -60,11 +75,16 @@ class SamplingConfig(_Input):
     stop_token_ids: List[NonNegativeInt] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description="Token ids that end a sample.")
     logprobs: bool = Field(default=True, description="Return the logprob of every sampled token.")
     ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
+    structured_outputs: Optional[StructuredOutputs] = Field(
+        default=None, description="Constrain the text to a JSON schema, a regular expression or a list of choices (vLLM's structured outputs)."
+    )
 
 
 class ChatMessage(_Input):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    name: Optional[Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]] = Field(default=None, description="A tool message's tool (for templates that render it).")
+    tool_call_id: Optional[Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]] = Field(default=None, description="The call a tool message answers.")
 
 
 class RewardSpec(_Input):
@@ -198,6 +218,16 @@ class EpisodeStart(_Input):
     messages: List[ChatMessage] = Field(min_length=1, description="The episode's opening messages (system, user).")
     max_turns: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(default=None, description="Model turns at most; capped by `episodes.max_turns`.")
     max_tokens: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(default=None, description="Tokens in the whole episode at most; capped by the context length.")
+    tools: List[Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]] = Field(
+        default_factory=list, max_length=64, description="The tools the model may call: `python`, `calculator`, or ones the platform registered under `tools.functions`."
+    )
+    max_tool_calls: Optional[Annotated[int, Field(ge=0), BeforeValidator(_integral)]] = Field(
+        default=None, description="Tool calls the episode may run at most; capped by `tools.max_calls_per_episode`."
+    )
+
+
+class NamedToolChoice(_Input):
+    name: str = Field(min_length=1, max_length=MAX_ID_LENGTH, description="The tool the model must call.")
 
 
 class EpisodeRef(_Input):
@@ -212,6 +242,11 @@ class EpisodeTurnBody(_Input):
 
     messages: List[ChatMessage] = Field(default_factory=list, description="New environment, tool or user messages, appended as rendered tokens.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice] = Field(
+        default="auto",
+        description="As in OpenAI's API: `auto` (the model may call the episode's tools), `none`, `required` (it must call one), "
+        "or `{name}` (it must call that one). A turn's own `sampling.structured_outputs` replaces the constraint a call would add.",
+    )
 
 
 class EpisodeTurn(EpisodeTurnBody, EpisodeRef):
@@ -224,11 +259,20 @@ class EpisodeStarted(_Model):
     replica_id: str
 
 
+class ToolCallResult(_Model):
+    id: str
+    name: str
+    arguments: str = Field(description="As the model wrote them (JSON).")
+    output: str = Field(description="What the model reads back, as a tool message, at the start of its next turn.")
+    error: Optional[str] = Field(default=None, description="Why the call failed (unknown tool, bad arguments, the tool raised, a limit); the output says it too.")
+
+
 class TurnResult(_Model):
     episode_id: str
     turn: int = Field(description="1 for the first model turn.")
-    appended_token_ids: List[int] = Field(description="The new messages' tokens put before this turn (not the model's).")
+    appended_token_ids: List[int] = Field(description="The tokens put before this turn (not the model's): the last turn's tool output, then the new messages.")
     sample: Sample = Field(description="The model's turn: exactly the tokens it sampled, with their logprobs.")
+    tool_calls: List[ToolCallResult] = Field(default_factory=list, description="The calls the model made in this turn, already run; their output opens its next turn.")
     replica_id: str
 
 

@@ -334,6 +334,45 @@ class EpisodesConfig(_Section):
     idle_expiry_s: float = Field(default=600.0, gt=0, le=86_400, description="An episode idle this long is dropped, (0, 86400]; its next turn gets `EpisodeLostError`.")
 
 
+class PythonToolConfig(_Section):
+    """Limits of the built-in `python` tool: each call runs in a child process of its own,
+    with no network, no new processes, and writes only inside a temporary directory."""
+
+    wall_time_s: float = Field(default=10.0, gt=0, le=600, description="Seconds a call may run, (0, 600]; then its processes are killed.")
+    cpu_time_s: int = Field(default=5, ge=1, le=600, description="CPU seconds a call may use, 1..600.")
+    memory_mb: int = Field(default=512, ge=64, le=65536, description="Address space of a call in MiB, 64..65536; past it, allocations fail (MemoryError).")
+    file_mb: int = Field(default=16, ge=1, le=4096, description="Largest file (and printed output) a call may write, in MiB, 1..4096.")
+
+
+class ToolsConfig(_Section):
+    """Tools an episode's model may call, run on a pool of Ray actors beside each replica.
+    Calls are read with vLLM's parser named by `openai.tool_call_parser`."""
+
+    functions: dict[str, str] = Field(
+        default_factory=dict,
+        description="Your tools, `name: module:function`: imported when a replica starts (a bad path fails the start). The signature gives the "
+        "arguments' JSON schema, the docstring the description; the return value (text, or anything JSON can hold) is what the model reads. "
+        "Built in: `python` and `calculator`.",
+    )
+    workers: int = Field(default=2, ge=1, le=256, description="Tool worker actors per replica, 1..256; each runs one call at a time.")
+    timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Most seconds one call may take, (0, 3600]; past it the call fails and its worker restarts.")
+    output_chars: int = Field(default=4000, ge=100, le=1_000_000, description="Characters of a call's output the model reads back at most, 100..1000000.")
+    max_calls_per_episode: int = Field(default=32, ge=0, le=10_000, description="Tool calls one episode may run at most, 0..10000 (an episode may ask for fewer).")
+    python: PythonToolConfig = Field(default_factory=PythonToolConfig)
+
+    @model_validator(mode="after")
+    def _names(self) -> "ToolsConfig":
+        from rollout.tools import BUILTIN_PATHS
+
+        for name, path in self.functions.items():
+            if name in BUILTIN_PATHS:
+                raise ValueError(f"tools.functions.{name}: the name of a built-in tool; pick another")
+            module, sep, attr = path.partition(":")
+            if not (module and sep and attr):
+                raise ValueError(f"tools.functions.{name}: {path!r} is not 'module:function'")
+        return self
+
+
 class PlatformConfig(_Section):
     """Everything the platform needs to serve rollouts."""
 
@@ -347,6 +386,7 @@ class PlatformConfig(_Section):
     sync: SyncConfig = Field(default_factory=SyncConfig)
     episodes: EpisodesConfig = Field(default_factory=EpisodesConfig, description="Multi-turn episodes whose token ids stay on the replica (`RolloutClient.start_episode`).")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards scored on the replica as each sample finishes (a request names one, or `rewards.default`).")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tools an episode's model may call (`EpisodeStart.tools`), run beside each replica.")
 
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:

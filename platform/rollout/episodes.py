@@ -44,23 +44,25 @@ def replica_of(episode_id: str) -> Optional[str]:
     return replica if sep and replica else None
 
 
-def _apply_template(tokenizer: Any, messages: Sequence[dict], tokenize: bool) -> Any:
+def _apply_template(tokenizer: Any, messages: Sequence[dict], tokenize: bool, tools: Optional[list[dict]] = None) -> Any:
     try:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=tokenize, return_dict=False)
+        return tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=tokenize, return_dict=False)
     except Exception as e:  # a template that rejects the roles, for example
         raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from None
 
 
-def render_initial(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
-    return list(_apply_template(tokenizer, messages, tokenize=True))
+def render_initial(tokenizer: Any, messages: Sequence[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    """The opening messages with the generation prompt; ``tools`` (OpenAI tool entries) go
+    to the template, which may describe them to the model."""
+    return list(_apply_template(tokenizer, messages, tokenize=True, tools=tools))
 
 
-def render_after_model_turn(tokenizer: Any, messages: Sequence[dict], last_token: Optional[int]) -> list[int]:
+def render_after_model_turn(tokenizer: Any, messages: Sequence[dict], last_token: Optional[int], tools: Optional[list[dict]] = None) -> list[int]:
     """The token ids of ``messages`` as the chat template writes them after a model turn
     (closing that turn, then the messages, then the generation prompt), tokenized on their
     own. When the model's own last token already closed its turn, it is not repeated."""
     base = _BASE + [{"role": "assistant", "content": _TURN_END_SENTINEL}]
-    text = _apply_template(tokenizer, base + list(messages), tokenize=False)
+    text = _apply_template(tokenizer, base + list(messages), tokenize=False, tools=tools)
     at = text.find(_TURN_END_SENTINEL)
     if at < 0:
         raise InvalidRequestError("messages", "the chat template drops the model's turn; episodes need a template that keeps it")
@@ -79,6 +81,10 @@ class EpisodeState:
     max_turns: int
     max_tokens: int
     turns: list[Any] = field(default_factory=list)  # ModelTurnSpan of each model turn
+    tools: list[Any] = field(default_factory=list)  # the rollout.tools.Tool the model may call
+    max_tool_calls: int = 0
+    tool_calls: int = 0  # run so far
+    pending: list[dict] = field(default_factory=list)  # the last turn's tool output, rendered at the next
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a turn is running: a second one at once would interleave tokens
 

@@ -120,10 +120,20 @@ class RolloutClient:
         async for chunk in self._transport().stream(req):
             yield chunk
 
-    async def start_episode(self, messages: Sequence[Any], max_turns: Optional[int] = None, max_tokens: Optional[int] = None) -> Episode:
-        """Begin a token-exact multi-turn episode on one replica (see :mod:`rollout.client.episode`)."""
+    async def start_episode(
+        self,
+        messages: Sequence[Any],
+        max_turns: Optional[int] = None,
+        max_tokens: Optional[int] = None,
+        tools: Sequence[str] = (),
+        max_tool_calls: Optional[int] = None,
+    ) -> Episode:
+        """Begin a token-exact multi-turn episode on one replica (see :mod:`rollout.client.episode`);
+        ``tools`` names the tools its model may call."""
         try:
-            start = EpisodeStart.model_validate({"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens})
+            start = EpisodeStart.model_validate(
+                {"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens, "tools": list(tools), "max_tool_calls": max_tool_calls}
+            )
         except ValidationError as e:
             raise from_validation_error(e, "episode") from None
         transport = self._transport()

@@ -7,10 +7,20 @@ from typing import Any, Optional
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from rollout.api import RolloutChunk, Sample, SamplingConfig, WeightVersionSpan
+from rollout.api import RolloutChunk, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
 
 
-def to_sampling_params(cfg: SamplingConfig, n: int, stream: bool = False) -> SamplingParams:
+def to_structured_outputs(so: Optional[StructuredOutputs]) -> Any:
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if so is None:
+        return None
+    return StructuredOutputsParams(json=so.json_schema, regex=so.regex, choice=so.choice)
+
+
+def to_sampling_params(cfg: SamplingConfig, n: int, stream: bool = False, constraint: Any = None, skip_special_tokens: bool = True) -> SamplingParams:
+    """``constraint`` (vLLM's StructuredOutputsParams) is an episode's tool-call constraint;
+    the request's own ``structured_outputs`` replace it."""
     return SamplingParams(
         n=n,
         max_tokens=cfg.max_tokens,
@@ -21,6 +31,8 @@ def to_sampling_params(cfg: SamplingConfig, n: int, stream: bool = False) -> Sam
         stop=list(cfg.stop) or None,
         stop_token_ids=list(cfg.stop_token_ids) or None,
         ignore_eos=cfg.ignore_eos,
+        structured_outputs=to_structured_outputs(cfg.structured_outputs) if cfg.structured_outputs is not None else constraint,
+        skip_special_tokens=skip_special_tokens,
         # 0 asks vLLM for the logprob of the sampled token only: what a policy gradient needs.
         logprobs=0 if cfg.logprobs else None,
         # Unary calls only need the final output; per-step outputs would cost CPU for nothing.

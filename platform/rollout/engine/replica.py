@@ -22,7 +22,6 @@ from rollout.api import (
     EpisodeStart,
     EpisodeStarted,
     EpisodeTurn,
-    ModelTurnSpan,
     RolloutChunk,
     RolloutRequest,
     RolloutResult,
@@ -34,11 +33,12 @@ from rollout.config import PlatformConfig
 from rollout.engine.load import ReplicaLoad
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, check_request
-from rollout.episodes import EpisodeState, EpisodeStore, episode_id_for, render_after_model_turn, render_initial
+from rollout.episodes import render_initial
 from rollout.errors import EngineUnavailableError, InvalidRequestError, NotServingError, StaleWeightsError, from_validation_error
 from rollout.logs import show_platform_logs
 from rollout.rewards import RewardScorer, Scorer
 from rollout.sync.version import INITIAL_VERSION_LABEL, version_of
+from rollout.tools.calling import TurnPlan
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,7 +73,6 @@ class RolloutEngine:
         self.config = PlatformConfig.model_validate(config)
         self.replica_id = self._replica_id()
         self.rewards = RewardScorer.from_config(self.config.rewards)  # imports rewards.functions: a bad path fails here
-        self.episodes = EpisodeStore(self.config.episodes.max_per_replica, self.config.episodes.idle_expiry_s)
         self.metrics = None
         stat_loggers = []
         if self.config.metrics.enabled:
@@ -107,6 +106,10 @@ class RolloutEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
+        from rollout.engine.episode_service import EpisodeService
+
+        # Imports tools.functions: a bad path fails the start.
+        self.episodes = EpisodeService(self.config, self.tokenizer, self.replica_id, self.limits.max_model_len, self._sample_in_episode)
         self.inflight = 0
         # When the current run of in-flight requests began: the stuck check counts from
         # here, not from the engine's last step (which, for the first requests after a
@@ -201,14 +204,24 @@ class RolloutEngine:
             self.metrics.served(prompt_tokens, generated, time.monotonic() - started)
             self.metrics.request("ok")
 
-    async def _generate_one(self, req: RolloutRequest, prompt_ids: list[int]) -> RolloutResult:
+    async def _generate_one(self, req: RolloutRequest, prompt_ids: list[int], plan: Optional[TurnPlan] = None) -> RolloutResult:
         from rollout.engine.convert import to_sample, to_sampling_params
 
         started = time.monotonic()
-        params = to_sampling_params(req.sampling, req.n, stream=False)
+        params = (
+            to_sampling_params(req.sampling, req.n, constraint=plan.structured_outputs, skip_special_tokens=plan.skip_special_tokens)
+            if plan is not None
+            else to_sampling_params(req.sampling, req.n)
+        )
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._engine_request_id(req)):
-            final = out
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._engine_request_id(req)):
+                final = out
+        except ValueError as e:
+            # vLLM checks a structured-output constraint when the request is added.
+            if final is None and req.sampling.structured_outputs is not None:
+                raise InvalidRequestError("sampling.structured_outputs", str(e)) from None
+            raise
         outputs = sorted(final.outputs, key=lambda c: c.index)
         self._served(len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
         samples = await self._scored(req, [to_sample(c) for c in outputs])
@@ -267,6 +280,9 @@ class RolloutEngine:
         in the caller's whole batch, so errors name the caller's index. Cancelling the call aborts every request
         of the batch in the engine.
         """
+        return await self._generate(requests, offset)
+
+    async def _generate(self, requests: Sequence[Any], offset: int = 0, plan: Optional[TurnPlan] = None) -> list[RolloutResult]:
         self._raise_if_not_serving()
         try:
             prepared = self._prepare(requests, offset)
@@ -277,19 +293,19 @@ class RolloutEngine:
         await self._admit(prepared, offset)
         self._enter(len(prepared))
         try:
-            return await self._run_batch(prepared)
+            return await self._run_batch(prepared, plan)
         except asyncio.CancelledError:
             self._count("cancelled", len(prepared))
             raise
         finally:
             self.inflight -= len(prepared)
 
-    async def _run_batch(self, prepared: list[tuple[RolloutRequest, list[int]]]) -> list[RolloutResult]:
+    async def _run_batch(self, prepared: list[tuple[RolloutRequest, list[int]]], plan: Optional[TurnPlan] = None) -> list[RolloutResult]:
         tasks: list[asyncio.Task] = []
         try:
             # TaskGroup cancels the rest of the batch if one request fails.
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._generate_one(r, ids)) for r, ids in prepared]
+                tasks = [tg.create_task(self._generate_one(r, ids, plan)) for r, ids in prepared]
             return [t.result() for t in tasks]
         except* Exception as eg:
             self._count("error", sum(1 for t in tasks if t.cancelled() or t.exception() is not None))
@@ -369,58 +385,17 @@ class RolloutEngine:
     async def start_episode(self, start: Any) -> EpisodeStarted:
         start = _coerce_as(EpisodeStart, start, "episode")
         self._raise_if_not_serving()
-        cap = self.config.episodes.max_turns
-        if start.max_turns is not None and start.max_turns > cap:
-            raise InvalidRequestError("max_turns", f"{start.max_turns} exceeds episodes.max_turns={cap}")
-        if start.max_tokens is not None and start.max_tokens > self.limits.max_model_len:
-            raise InvalidRequestError("max_tokens", f"{start.max_tokens} exceeds the context length max_model_len={self.limits.max_model_len}")
-        ids = render_initial(self.tokenizer, [m.model_dump() for m in start.messages])
-        episode = EpisodeState(episode_id_for(self.replica_id), [], [], [], start.max_turns or cap, start.max_tokens or self.limits.max_model_len)
-        if len(ids) >= episode.max_tokens:
-            raise InvalidRequestError("messages", f"the opening messages are {len(ids)} tokens; the episode may hold {episode.max_tokens} (max_tokens, at most the context)")
-        episode.append(ids, model=False)
-        self.episodes.add(episode)
-        return EpisodeStarted(episode_id=episode.episode_id, prompt_token_ids=ids, replica_id=self.replica_id)
+        return self.episodes.start(start)
 
     async def episode_turn(self, turn: Any) -> TurnResult:
-        turn = _coerce_as(EpisodeTurn, turn, "turn")
-        episode = self.episodes.get(turn.episode_id)
-        if episode.busy:
-            raise InvalidRequestError("episode_id", f"a turn of episode {turn.episode_id} is already running; wait for it")
-        if len(episode.turns) >= episode.max_turns:
-            raise InvalidRequestError("episode_id", f"episode {turn.episode_id} has had its {episode.max_turns} turns (max_turns)")
-        if turn.messages and not episode.turns:
-            raise InvalidRequestError("messages", "the first turn takes none: the opening messages were rendered when the episode started")
-        appended = render_after_model_turn(self.tokenizer, [m.model_dump() for m in turn.messages], episode.token_ids[-1]) if turn.messages else []
-        total = len(episode.token_ids) + len(appended) + turn.sampling.max_tokens
-        if total > episode.max_tokens:
-            raise InvalidRequestError(
-                "sampling.max_tokens", f"the episode would reach {total} tokens ({len(episode.token_ids)} so far, {len(appended)} new); its max_tokens is {episode.max_tokens}"
-            )
-        request = RolloutRequest(prompt_token_ids=episode.token_ids + appended, sampling=turn.sampling, session_id=turn.episode_id)
-        episode.busy = True
-        try:
-            (result,) = await self.generate([request])
-        finally:
-            episode.busy = False
-        sample = result.samples[0]
-        episode.append(appended, model=False)
-        start = len(episode.token_ids)
-        episode.append(sample.token_ids, model=True, logprobs=sample.logprobs)
-        episode.turns.append(
-            ModelTurnSpan(
-                start=start,
-                end=len(episode.token_ids),
-                finish_reason=sample.finish_reason,
-                weight_versions=[sp.model_copy(update={"start": sp.start + start, "end": sp.end + start}) for sp in sample.weight_versions],
-            )
-        )
-        return TurnResult(episode_id=turn.episode_id, turn=len(episode.turns), appended_token_ids=appended, sample=sample, replica_id=self.replica_id)
+        return await self.episodes.turn(_coerce_as(EpisodeTurn, turn, "turn"))
 
     async def episode_trajectory(self, ref: Any, end: bool = False) -> Trajectory:
-        ref = _coerce_as(EpisodeRef, ref, "episode")
-        episode = self.episodes.pop(ref.episode_id) if end else self.episodes.get(ref.episode_id)
-        return Trajectory(episode_id=episode.episode_id, token_ids=episode.token_ids, loss_mask=episode.loss_mask, logprobs=episode.logprobs, turns=episode.turns)
+        return self.episodes.trajectory(_coerce_as(EpisodeRef, ref, "episode"), end)
+
+    async def _sample_in_episode(self, request: RolloutRequest, plan: Optional[TurnPlan]) -> Sample:
+        (result,) = await self._generate([request], plan=plan)
+        return result.samples[0]
 
     def _with_version(self, start: dict, version: str) -> dict:
         headers = [(k, v) for k, v in start["headers"] if k.lower() != "content-length"]
@@ -521,6 +496,9 @@ class RolloutEngine:
         rewards = getattr(self, "rewards", None)
         if rewards is not None:
             rewards.close()
+        episodes = getattr(self, "episodes", None)
+        if episodes is not None:
+            episodes.close()
         sync = getattr(self, "sync", None)
         if sync is not None:
             sync.stop()

@@ -201,7 +201,7 @@ class HttpIngress(VllmRlRoutes):
 
     @app.post("/v1/episodes/{episode_id}/turns", dependencies=[Depends(require_key)], responses=EPISODE_ERRORS)
     async def episode_turn(self, episode_id: str, body: EpisodeTurnBody) -> TurnResult:
-        return await self.engine.call("episode_turn", EpisodeTurn(episode_id=episode_id, messages=body.messages, sampling=body.sampling))
+        return await self.engine.call("episode_turn", EpisodeTurn(episode_id=episode_id, messages=body.messages, sampling=body.sampling, tool_choice=body.tool_choice))
 
     @app.get("/v1/episodes/{episode_id}", dependencies=[Depends(require_key)], responses=EPISODE_ERRORS)
     async def episode_get(self, episode_id: str) -> Trajectory:
