@@ -29,7 +29,7 @@ METRICS_PORT = free_port()
 
 # End-to-end modules share one app and run in this order: later ones change its state
 # (weights, replica count) that earlier ones assume.
-E2E_ORDER = ["test_generation_e2e", "test_rollout_stream_e2e", "test_rewards_e2e", "test_episodes_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_scaling_e2e"]
+E2E_ORDER = ["test_generation_e2e", "test_rollout_stream_e2e", "test_rewards_e2e", "test_episodes_e2e", "test_tools_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_scaling_e2e"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -111,7 +111,7 @@ def platform_config(model_dir, tmp_path_factory):
         rewards={"functions": {"length": "builtins:len", "json": "json:loads"}},
         # A tool by import path with no arguments (a forced call is then fully determined),
         # and the python tool's limits small enough for tests to reach quickly.
-        tools={"functions": {"python_version": "platform:python_version"}, "python": {"wall_time_s": 6, "cpu_time_s": 2, "memory_mb": 256}},
+        tools={"functions": {"python_version": "platform:python_version"}, "output_chars": 300, "python": {"wall_time_s": 6, "cpu_time_s": 2, "memory_mb": 256}},
     )
 
 

@@ -51,10 +51,17 @@ class ToolWorker:
             out = call_tool(fn, args)
         except Exception as e:  # the tool failed: the model reads why
             return _failed(f"{type(e).__name__}: {e}")
-        text = out if isinstance(out, str) else json.dumps(out, default=str)
-        if len(text) > self.output_chars:
-            text = text[: self.output_chars] + f"\n[output truncated at {self.output_chars} characters]"
-        return ToolOutcome(text)
+        return ToolOutcome(clip(out if isinstance(out, str) else json.dumps(out, default=str), self.output_chars))
+
+
+def clip(text: str, limit: int) -> str:
+    """At most ``limit`` characters: the head and the tail (where a traceback says what
+    went wrong), with what was cut in between."""
+    if len(text) <= limit:
+        return text
+    note = f"\n[... {len(text) - limit} characters cut ...]\n"
+    head = max(0, (limit - len(note)) // 2)
+    return text[:head] + note + text[len(text) - (limit - len(note) - head):]
 
 
 def _failed(error: str) -> ToolOutcome:
