@@ -142,3 +142,17 @@ async def test_tool_requests_that_cannot_run_name_the_field(any_client):
     assert result.error and result.output.startswith("error: ") and "not arithmetic" in result.output
     await episode.end()
     await plain.end()
+
+
+async def test_structured_outputs_constrain_a_plain_request_and_one_vllm_cannot_compile_names_the_field(any_client):
+    choices = ["[rock]", "[paper]", "[scissors]"]
+    sampling = SamplingConfig(max_tokens=16, structured_outputs=StructuredOutputs(choice=choices))
+    results = await any_client.generate([RolloutRequest(prompt_token_ids=[5 + i, 6], sampling=sampling) for i in range(4)])
+    assert all(r.samples[0].text in choices and r.samples[0].finish_reason == "stop" for r in results)
+    bad = SamplingConfig(max_tokens=4, structured_outputs=StructuredOutputs(json_schema={"type": "object", "properties": {"x": {"type": "no-such-type"}}}))
+    with pytest.raises(InvalidRequestError) as e:
+        await any_client.generate([RolloutRequest(prompt_token_ids=[5], sampling=FREE), RolloutRequest(prompt_token_ids=[6], sampling=bad)])
+    assert e.value.field == "requests[1].sampling.structured_outputs", e.value
+    with pytest.raises(InvalidRequestError) as e:
+        await any_client.generate([RolloutRequest(prompt_token_ids=[5], sampling=SamplingConfig(structured_outputs=StructuredOutputs(regex="(unclosed")))])
+    assert e.value.field == "requests[0].sampling.structured_outputs.regex", e.value

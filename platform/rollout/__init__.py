@@ -1,6 +1,6 @@
 """Rollout Platform: vLLM rollouts for RL trainers, served by Ray Serve."""
 
-from rollout.api import RewardSpec, RolloutChunk, RolloutRequest, RolloutResult, Sample, SamplingConfig, WeightVersionSpan
+from rollout.api import RewardSpec, RolloutChunk, RolloutRequest, RolloutResult, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
 from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, RolloutError
 
 __version__ = "0.1.0"
@@ -12,6 +12,7 @@ __all__ = [
     "RolloutResult",
     "Sample",
     "SamplingConfig",
+    "StructuredOutputs",
     "WeightVersionSpan",
     "RolloutError",
     "InvalidRequestError",

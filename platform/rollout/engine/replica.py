@@ -293,14 +293,14 @@ class RolloutEngine:
         await self._admit(prepared, offset)
         self._enter(len(prepared))
         try:
-            return await self._run_batch(prepared, plan)
+            return await self._run_batch(prepared, plan, offset)
         except asyncio.CancelledError:
             self._count("cancelled", len(prepared))
             raise
         finally:
             self.inflight -= len(prepared)
 
-    async def _run_batch(self, prepared: list[tuple[RolloutRequest, list[int]]], plan: Optional[TurnPlan] = None) -> list[RolloutResult]:
+    async def _run_batch(self, prepared: list[tuple[RolloutRequest, list[int]]], plan: Optional[TurnPlan] = None, offset: int = 0) -> list[RolloutResult]:
         tasks: list[asyncio.Task] = []
         try:
             # TaskGroup cancels the rest of the batch if one request fails.
@@ -310,7 +310,12 @@ class RolloutEngine:
         except* Exception as eg:
             self._count("error", sum(1 for t in tasks if t.cancelled() or t.exception() is not None))
             self._raise_if_dead()
-            raise eg.exceptions[0] from None
+            first = eg.exceptions[0]
+            if isinstance(first, InvalidRequestError):  # found by vLLM when the request was added: name it
+                at = next((i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is first), None)
+                if at is not None:
+                    raise first.at(f"requests[{offset + at}]") from None
+            raise first from None
 
     async def generate_stream(self, request: Any) -> AsyncIterator[RolloutChunk]:
         """Stream one request's tokens as they are produced (``n`` samples interleaved)."""

@@ -7,6 +7,7 @@ request is handed to vLLM, so a bad request never costs engine work.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,6 +35,12 @@ def check_request(req: RolloutRequest, prompt_ids: Sequence[int], limits: ModelL
     if req.prompt_token_ids is not None:
         _check_ids("prompt_token_ids", req.prompt_token_ids, limits.vocab_size)
     _check_ids("sampling.stop_token_ids", req.sampling.stop_token_ids, limits.vocab_size)
+    so = req.sampling.structured_outputs
+    if so is not None and so.regex is not None:
+        try:
+            re.compile(so.regex)
+        except re.error as e:
+            raise InvalidRequestError("sampling.structured_outputs.regex", f"not a regular expression: {e}") from None
     prompt_field = "prompt_token_ids" if req.prompt_token_ids is not None else ("prompt" if req.prompt is not None else "messages")
     if len(prompt_ids) >= limits.max_model_len:
         raise InvalidRequestError(
