@@ -205,6 +205,8 @@ class RolloutEngine:
             self.metrics.request("ok")
 
     async def _generate_one(self, req: RolloutRequest, prompt_ids: list[int], plan: Optional[TurnPlan] = None) -> RolloutResult:
+        from vllm.exceptions import VLLMClientError
+
         from rollout.engine.convert import to_sample, to_sampling_params
 
         started = time.monotonic()
@@ -217,7 +219,7 @@ class RolloutEngine:
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._engine_request_id(req)):
                 final = out
-        except ValueError as e:
+        except (ValueError, VLLMClientError) as e:
             # vLLM checks a structured-output constraint when the request is added.
             if final is None and req.sampling.structured_outputs is not None:
                 raise InvalidRequestError("sampling.structured_outputs", str(e)) from None
