@@ -156,3 +156,8 @@ async def test_structured_outputs_constrain_a_plain_request_and_one_vllm_cannot_
     with pytest.raises(InvalidRequestError) as e:
         await any_client.generate([RolloutRequest(prompt_token_ids=[5], sampling=SamplingConfig(structured_outputs=StructuredOutputs(regex="(unclosed")))])
     assert e.value.field == "requests[0].sampling.structured_outputs.regex", e.value
+    episode = await any_client.start_episode(OPENING)
+    with pytest.raises(InvalidRequestError) as e:
+        await episode.turn(sampling=bad)
+    assert e.value.field == "sampling.structured_outputs", e.value
+    await episode.end()

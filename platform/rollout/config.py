@@ -358,7 +358,7 @@ class ToolsConfig(_Section):
     timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Most seconds one call may take, (0, 3600]; past it the call fails and its worker restarts.")
     output_chars: int = Field(default=4000, ge=100, le=1_000_000, description="Characters of a call's output the model reads back at most, 100..1000000.")
     max_calls_per_episode: int = Field(default=32, ge=0, le=10_000, description="Tool calls one episode may run at most, 0..10000 (an episode may ask for fewer).")
-    python: PythonToolConfig = Field(default_factory=PythonToolConfig)
+    python: PythonToolConfig = Field(default_factory=PythonToolConfig, description="Limits of the built-in `python` tool.")
 
     @model_validator(mode="after")
     def _names(self) -> "ToolsConfig":

@@ -401,7 +401,11 @@ class RolloutEngine:
         return self.episodes.trajectory(_coerce_as(EpisodeRef, ref, "episode"), end)
 
     async def _sample_in_episode(self, request: RolloutRequest, plan: Optional[TurnPlan]) -> Sample:
-        (result,) = await self._generate([request], plan=plan)
+        try:
+            (result,) = await self._generate([request], plan=plan)
+        except InvalidRequestError as e:
+            # The turn is the caller's request, not a batch: name its own field.
+            raise InvalidRequestError(e.field.removeprefix("requests[0]."), e.message) from None
         return result.samples[0]
 
     def _with_version(self, start: dict, version: str) -> dict:

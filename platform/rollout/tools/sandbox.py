@@ -106,7 +106,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                proc.wait()
+                proc.wait(timeout=30)  # SIGKILL cannot be caught: the wait is for the kernel to reap it
         code_ = proc.returncode
         if stopped is None and code_ == -signal.SIGXCPU:
             stopped = "CPU time"
