@@ -37,8 +37,9 @@ async def five_turns(client):
     return episode, turns, await episode.end()
 
 
-async def test_the_trajectory_is_exactly_the_rendered_messages_and_the_sampled_tokens(any_client, reference, model_dir):
-    episode, turns, traj = await five_turns(any_client)
+def assert_trajectory_is_the_turns(episode, turns, traj) -> None:
+    """The trajectory is the opening, then each turn's appended tokens (mask 0) and the
+    tokens the model sampled (mask 1, with their logprobs), in order."""
     expected, mask = list(episode.prompt_token_ids), [0] * len(episode.prompt_token_ids)
     for k, turn in enumerate(turns):
         assert turn.turn == k + 1 and (turn.appended_token_ids == []) == (k == 0)
@@ -52,6 +53,11 @@ async def test_the_trajectory_is_exactly_the_rendered_messages_and_the_sampled_t
         assert [(sp.start, sp.end) for sp in span.weight_versions] == [(span.start, span.end)]
     assert traj.token_ids == expected and traj.loss_mask == mask
     assert all(lp is None for lp, m in zip(traj.logprobs, mask) if m == 0)
+
+
+async def test_the_trajectory_is_exactly_the_rendered_messages_and_the_sampled_tokens(any_client, reference, model_dir):
+    episode, turns, traj = await five_turns(any_client)
+    assert_trajectory_is_the_turns(episode, turns, traj)
 
     # A fresh engine, teacher-forced on the whole trajectory, gives the model's logprobs.
     forced = ray.get(reference.teacher_forced_logprobs.remote(traj.token_ids))

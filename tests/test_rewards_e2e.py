@@ -56,3 +56,17 @@ async def test_an_unknown_reward_or_a_missing_param_is_refused_naming_the_field(
         with pytest.raises(InvalidRequestError) as e:
             await any_client.generate([request({"name": "length"}), request(reward)])
         assert e.value.field == field and needle in e.value.message, e.value
+
+
+async def test_an_episode_is_scored_when_it_ends_on_the_models_last_turn(any_client):
+    opening = [{"role": "user", "content": "the answer is"}]
+    episode = await any_client.start_episode(opening, reward={"name": "length"})
+    first = await episode.turn(sampling=SamplingConfig(max_tokens=6, ignore_eos=True))
+    assert first.sample.reward is None, "turns are not scored one by one"
+    last = await episode.turn([{"role": "user", "content": "again"}], sampling=SamplingConfig(max_tokens=9, ignore_eos=True))
+    assert (await episode.trajectory()).reward is None, "scored when it ends"
+    ended = await episode.end()
+    assert ended.reward == float(len(last.sample.text)) and ended.reward_error is None
+    with pytest.raises(InvalidRequestError) as e:
+        await any_client.start_episode(opening, reward={"name": "no_such_reward"})
+    assert e.value.field == "reward.name"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import uuid
 
@@ -20,6 +19,7 @@ from transformers import AutoTokenizer
 
 from rollout.api import RolloutRequest, SamplingConfig, StructuredOutputs
 from rollout.errors import InvalidRequestError
+from tests.test_episodes_e2e import assert_trajectory_is_the_turns
 
 pytestmark = pytest.mark.e2e
 
@@ -67,16 +67,7 @@ async def test_a_five_turn_episode_with_tool_calls_is_token_exact(any_client, re
     assert "<|im_start|>user\nCheck it in Python." in tokenizer.decode(turns[2].appended_token_ids)
 
     # The trajectory: the rendered messages, tool output and the sampled tokens, turn by turn.
-    expected, mask = list(episode.prompt_token_ids), [0] * len(episode.prompt_token_ids)
-    for k, turn in enumerate(turns):
-        expected += turn.appended_token_ids
-        mask += [0] * len(turn.appended_token_ids)
-        span = traj.turns[k]
-        assert (span.start, span.end) == (len(expected), len(expected) + len(turn.sample.token_ids))
-        expected += turn.sample.token_ids
-        mask += [1] * len(turn.sample.token_ids)
-        assert traj.logprobs[span.start : span.end] == turn.sample.logprobs
-    assert traj.token_ids == expected and traj.loss_mask == mask
+    assert_trajectory_is_the_turns(episode, turns, traj)
 
     # Unconstrained turns: the model's logprobs are a fresh engine's, teacher-forced on the
     # whole trajectory (tool output included). A forced call's logprobs are those of the

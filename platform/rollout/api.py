@@ -224,6 +224,9 @@ class EpisodeStart(_Input):
     max_tool_calls: Optional[Annotated[int, Field(ge=0), BeforeValidator(_integral)]] = Field(
         default=None, description="Tool calls the episode may run at most; capped by `tools.max_calls_per_episode`."
     )
+    reward: Optional[RewardSpec] = Field(
+        default=None, description="Score the episode when it ends (`Trajectory.reward`), on the model's last turn; replaces `rewards.default` for this episode."
+    )
 
 
 class NamedToolChoice(_Input):
@@ -283,8 +286,9 @@ class ModelTurnSpan(_Model):
     weight_versions: List[WeightVersionSpan] = Field(default_factory=list, description="Positions in the whole trajectory.")
 
 
-class Trajectory(_Model):
-    """The whole episode: every token, which of them the model sampled, and their logprobs."""
+class Trajectory(_Scored):
+    """The whole episode: every token, which of them the model sampled, and their logprobs;
+    when it ended, its reward."""
 
     episode_id: str
     token_ids: List[int]

@@ -299,6 +299,16 @@ class SyncConfig(_Section):
     )
 
 
+def _check_functions(where: str, functions: dict[str, str], builtins: Any, kind: str) -> None:
+    """Registered functions: ``name: module:function``, no name of a built-in."""
+    for name, path in functions.items():
+        if name in builtins:
+            raise ValueError(f"{where}.{name}: the name of a built-in {kind}; pick another")
+        module, sep, attr = path.partition(":")
+        if not (module and sep and attr):
+            raise ValueError(f"{where}.{name}: {path!r} is not 'module:function'")
+
+
 class RewardsConfig(_Section):
     """Inline rewards, scored next to the engine as each sample finishes."""
 
@@ -315,12 +325,7 @@ class RewardsConfig(_Section):
     def _names(self) -> "RewardsConfig":
         from rollout.rewards.builtins import BUILTINS
 
-        for name, path in self.functions.items():
-            if name in BUILTINS:
-                raise ValueError(f"rewards.functions.{name}: the name of a built-in reward; pick another")
-            module, sep, attr = path.partition(":")
-            if not (module and sep and attr):
-                raise ValueError(f"rewards.functions.{name}: {path!r} is not 'module:function'")
+        _check_functions("rewards.functions", self.functions, BUILTINS, "reward")
         if self.default is not None and self.default.name not in BUILTINS and self.default.name not in self.functions:
             raise ValueError(f"rewards.default.name: {self.default.name!r} is neither a built-in ({', '.join(sorted(BUILTINS))}) nor in rewards.functions")
         return self
@@ -364,12 +369,7 @@ class ToolsConfig(_Section):
     def _names(self) -> "ToolsConfig":
         from rollout.tools import BUILTIN_PATHS
 
-        for name, path in self.functions.items():
-            if name in BUILTIN_PATHS:
-                raise ValueError(f"tools.functions.{name}: the name of a built-in tool; pick another")
-            module, sep, attr = path.partition(":")
-            if not (module and sep and attr):
-                raise ValueError(f"tools.functions.{name}: {path!r} is not 'module:function'")
+        _check_functions("tools.functions", self.functions, BUILTIN_PATHS, "tool")
         return self
 
 

@@ -127,12 +127,14 @@ class RolloutClient:
         max_tokens: Optional[int] = None,
         tools: Sequence[str] = (),
         max_tool_calls: Optional[int] = None,
+        reward: Optional[Any] = None,
     ) -> Episode:
         """Begin a token-exact multi-turn episode on one replica (see :mod:`rollout.client.episode`);
-        ``tools`` names the tools its model may call."""
+        ``tools`` names the tools its model may call; ``reward`` (a RewardSpec or its dict)
+        scores it when it ends."""
         try:
             start = EpisodeStart.model_validate(
-                {"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens, "tools": list(tools), "max_tool_calls": max_tool_calls}
+                {"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens, "tools": list(tools), "max_tool_calls": max_tool_calls, "reward": reward}
             )
         except ValidationError as e:
             raise from_validation_error(e, "episode") from None

@@ -27,7 +27,9 @@ def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
     if resp.status_code == 404 and err.get("type") == "episode_lost":
         raise EpisodeLostError(message)
     if resp.status_code in (400, 404, 413, 422):
-        raise InvalidRequestError(err.get("field", "request"), message)
+        field = err.get("field", "request")
+        # The body's message names the field already (it is the error's str()).
+        raise InvalidRequestError(field, message.removeprefix(f"{field}: "))
     if resp.status_code == 409 and err.get("type") == "stale_weights":
         raise StaleWeightsError(message)
     if resp.status_code == 429:

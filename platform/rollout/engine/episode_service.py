@@ -30,6 +30,7 @@ from rollout.api import (
 from rollout.config import PlatformConfig
 from rollout.episodes import EpisodeState, EpisodeStore, episode_id_for, render_after_model_turn, render_initial
 from rollout.errors import InvalidRequestError
+from rollout.rewards import RewardScorer
 from rollout.tools import Tool, ToolRegistry
 from rollout.tools.calling import ParsedCall, ToolCalling, TurnPlan
 from rollout.tools.pool import ToolPool
@@ -38,8 +39,9 @@ Sampler = Callable[[RolloutRequest, Optional[TurnPlan]], Awaitable[Sample]]
 
 
 class EpisodeService:
-    def __init__(self, config: PlatformConfig, tokenizer: Any, replica_id: str, max_model_len: int, sample: Sampler):
+    def __init__(self, config: PlatformConfig, tokenizer: Any, replica_id: str, max_model_len: int, sample: Sampler, rewards: RewardScorer):
         self.config = config
+        self.rewards = rewards
         self.tokenizer = tokenizer
         self.replica_id = replica_id
         self.max_model_len = max_model_len
@@ -62,6 +64,8 @@ class EpisodeService:
         call_cap = self.config.tools.max_calls_per_episode
         if start.max_tool_calls is not None and start.max_tool_calls > call_cap:
             raise InvalidRequestError("max_tool_calls", f"{start.max_tool_calls} exceeds tools.max_calls_per_episode={call_cap}")
+        reward = start.reward or self.rewards.default
+        self.rewards.resolve(reward)  # a spec that cannot run is refused now, naming reward.*, not when the episode ends
         schemas = [t.openai() for t in tools] or None
         ids = render_initial(self.tokenizer, [m.model_dump(exclude_none=True) for m in start.messages], schemas)
         episode = EpisodeState(
@@ -73,6 +77,7 @@ class EpisodeService:
             start.max_tokens or self.max_model_len,
             tools=tools,
             max_tool_calls=call_cap if start.max_tool_calls is None else start.max_tool_calls,
+            reward=reward,
         )
         if len(ids) >= episode.max_tokens:
             raise InvalidRequestError("messages", f"the opening messages are {len(ids)} tokens; the episode may hold {episode.max_tokens} (max_tokens, at most the context)")
@@ -109,6 +114,7 @@ class EpisodeService:
         episode.append(appended, model=False)
         start = len(episode.token_ids)
         episode.append(sample.token_ids, model=True, logprobs=sample.logprobs)
+        episode.last_text = sample.text or ""
         episode.turns.append(
             ModelTurnSpan(
                 start=start,
@@ -121,9 +127,18 @@ class EpisodeService:
             episode_id=turn.episode_id, turn=len(episode.turns), appended_token_ids=appended, sample=sample, tool_calls=list(results), replica_id=self.replica_id
         )
 
-    def trajectory(self, ref: EpisodeRef, end: bool) -> Trajectory:
+    async def trajectory(self, ref: EpisodeRef, end: bool) -> Trajectory:
+        """The episode so far; ``end`` also forgets it and scores it: its reward (the
+        episode's spec, else ``rewards.default``) is of the model's last turn's text."""
         episode = self.store.pop(ref.episode_id) if end else self.store.get(ref.episode_id)
-        return Trajectory(episode_id=episode.episode_id, token_ids=episode.token_ids, loss_mask=episode.loss_mask, logprobs=episode.logprobs, turns=episode.turns)
+        scored = {}
+        if end and episode.turns:
+            scorer = self.rewards.resolve(episode.reward)
+            if scorer is not None:
+                scored = (await self.rewards.score(scorer, episode.last_text)).fields()
+        return Trajectory(
+            episode_id=episode.episode_id, token_ids=episode.token_ids, loss_mask=episode.loss_mask, logprobs=episode.logprobs, turns=episode.turns, **scored
+        )
 
     def close(self) -> None:
         self.pool.close()

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Sequence, TypeVar
 
 from pydantic import ValidationError
@@ -42,6 +43,15 @@ from rollout.tools.calling import TurnPlan
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EpisodeTurnSampling:
+    """What sampling an episode's turn adds to its request: the tool-call constraint (none
+    when the turn may not call tools), and no reward per turn (the episode is scored when
+    it ends)."""
+
+    plan: Optional[TurnPlan]
 
 
 def _coerce_as(model: type[T], value: Any, where: str) -> T:
@@ -109,7 +119,7 @@ class RolloutEngine:
         from rollout.engine.episode_service import EpisodeService
 
         # Imports tools.functions: a bad path fails the start.
-        self.episodes = EpisodeService(self.config, self.tokenizer, self.replica_id, self.limits.max_model_len, self._sample_in_episode)
+        self.episodes = EpisodeService(self.config, self.tokenizer, self.replica_id, self.limits.max_model_len, self._sample_in_episode, self.rewards)
         self.inflight = 0
         # When the current run of in-flight requests began: the stuck check counts from
         # here, not from the engine's last step (which, for the first requests after a
@@ -204,12 +214,13 @@ class RolloutEngine:
             self.metrics.served(prompt_tokens, generated, time.monotonic() - started)
             self.metrics.request("ok")
 
-    async def _generate_one(self, req: RolloutRequest, prompt_ids: list[int], plan: Optional[TurnPlan] = None) -> RolloutResult:
+    async def _generate_one(self, req: RolloutRequest, prompt_ids: list[int], turn: Optional[EpisodeTurnSampling] = None) -> RolloutResult:
         from vllm.exceptions import VLLMClientError
 
         from rollout.engine.convert import to_sample, to_sampling_params
 
         started = time.monotonic()
+        plan = turn.plan if turn is not None else None
         params = (
             to_sampling_params(req.sampling, req.n, constraint=plan.structured_outputs, skip_special_tokens=plan.skip_special_tokens)
             if plan is not None
@@ -226,7 +237,9 @@ class RolloutEngine:
             raise
         outputs = sorted(final.outputs, key=lambda c: c.index)
         self._served(len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
-        samples = await self._scored(req, [to_sample(c) for c in outputs])
+        samples = [to_sample(c) for c in outputs]
+        if turn is None:  # (an episode is scored when it ends, not turn by turn)
+            samples = await self._scored(req, samples)
         committed = self.sync.known_committed if self.sync is not None else 0
         versions = [version_of(sp.version) for sample in samples for sp in sample.weight_versions]
         return RolloutResult(
@@ -284,7 +297,7 @@ class RolloutEngine:
         """
         return await self._generate(requests, offset)
 
-    async def _generate(self, requests: Sequence[Any], offset: int = 0, plan: Optional[TurnPlan] = None) -> list[RolloutResult]:
+    async def _generate(self, requests: Sequence[Any], offset: int = 0, turn: Optional[EpisodeTurnSampling] = None) -> list[RolloutResult]:
         self._raise_if_not_serving()
         try:
             prepared = self._prepare(requests, offset)
@@ -295,19 +308,19 @@ class RolloutEngine:
         await self._admit(prepared, offset)
         self._enter(len(prepared))
         try:
-            return await self._run_batch(prepared, plan, offset)
+            return await self._run_batch(prepared, turn, offset)
         except asyncio.CancelledError:
             self._count("cancelled", len(prepared))
             raise
         finally:
             self.inflight -= len(prepared)
 
-    async def _run_batch(self, prepared: list[tuple[RolloutRequest, list[int]]], plan: Optional[TurnPlan] = None, offset: int = 0) -> list[RolloutResult]:
+    async def _run_batch(self, prepared: list[tuple[RolloutRequest, list[int]]], turn: Optional[EpisodeTurnSampling] = None, offset: int = 0) -> list[RolloutResult]:
         tasks: list[asyncio.Task] = []
         try:
             # TaskGroup cancels the rest of the batch if one request fails.
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._generate_one(r, ids, plan)) for r, ids in prepared]
+                tasks = [tg.create_task(self._generate_one(r, ids, turn)) for r, ids in prepared]
             return [t.result() for t in tasks]
         except* Exception as eg:
             self._count("error", sum(1 for t in tasks if t.cancelled() or t.exception() is not None))
@@ -398,11 +411,11 @@ class RolloutEngine:
         return await self.episodes.turn(_coerce_as(EpisodeTurn, turn, "turn"))
 
     async def episode_trajectory(self, ref: Any, end: bool = False) -> Trajectory:
-        return self.episodes.trajectory(_coerce_as(EpisodeRef, ref, "episode"), end)
+        return await self.episodes.trajectory(_coerce_as(EpisodeRef, ref, "episode"), end)
 
     async def _sample_in_episode(self, request: RolloutRequest, plan: Optional[TurnPlan]) -> Sample:
         try:
-            (result,) = await self._generate([request], plan=plan)
+            (result,) = await self._generate([request], turn=EpisodeTurnSampling(plan))
         except InvalidRequestError as e:
             # The turn is the caller's request, not a batch: name its own field.
             raise InvalidRequestError(e.field.removeprefix("requests[0]."), e.message) from None
