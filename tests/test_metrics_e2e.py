@@ -16,6 +16,7 @@ from rollout.monitoring import RULES_PATHS, all_queries
 from rollout.sync import WeightPublisher
 from tests.conftest import METRICS_PORT, SYNC_TOKEN, free_port
 from tests.prometheus_server import PrometheusServer
+from tests.test_tools_e2e import call as forced_call
 from tests.test_weight_sync_e2e import perturbed_policy
 
 pytestmark = pytest.mark.e2e
@@ -114,6 +115,11 @@ async def test_every_dashboard_and_alert_expression_returns_data(prometheus, pub
     plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, RoundRequest(tuple([ParamSpec.of(n, p) for n, p in model.named_parameters()]), _own_address(), _free_port()))
     await asyncio.to_thread(coord.finish, plan.round_id, "trainer gave up")
     await handle_client.generate([RolloutRequest(prompt="after the failed round", sampling=SamplingConfig(max_tokens=8))])
+    # A tool call, for the tool panels (forced: the random model calls none by itself).
+    episode = await handle_client.start_episode([{"role": "user", "content": "6*7?"}], tools=["calculator"])
+    (call,) = (await episode.turn(sampling=forced_call("calculator", expression="6*7"))).tool_calls
+    assert call.output == "42"
+    await episode.end()
     missing = []
     for where, expr in all_queries():
         try:

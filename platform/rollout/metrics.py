@@ -22,6 +22,8 @@ LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 SYNC_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
 REQUEST_OUTCOMES = ("ok", "invalid", "cancelled", "error")
+TOOL_OUTCOMES = ("ok", "error")
+TOOL_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
 SYNC_FAILURE_REASONS = ("trainer", "replica", "deadline", "keeper")
 
 
@@ -45,12 +47,20 @@ class EngineMetrics:
         self.prefix_queries = m.Counter("rollout_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", tag_keys=tags)
         self.prefix_hits = m.Counter("rollout_prefix_cache_hits", "Prompt tokens found in the prefix cache.", tag_keys=tags)
         self.version = m.Gauge("rollout_replica_weight_version", "Policy version the replica serves.", tag_keys=tags)
+        # Tool names come from the platform's registry (tools.functions and the built-ins), never from requests.
+        self.tool_calls = m.Counter("rollout_tool_calls", "Tool calls of episodes by tool and outcome.", tag_keys=tags + ("tool", "outcome"))
+        self.tool_seconds = m.Histogram("rollout_tool_call_seconds", "Time of a tool call, queueing for a worker included.", boundaries=TOOL_BUCKETS, tag_keys=tags + ("tool",))
 
     def request(self, outcome: str, n: int = 1) -> None:
         if outcome not in REQUEST_OUTCOMES:
             raise ValueError(f"outcome {outcome!r} is not one of {REQUEST_OUTCOMES}")
         if n > 0:
             self.requests.inc(n, tags={**self._tags, "outcome": outcome})
+
+    def tool_call(self, tool: str, ok: bool, seconds: float) -> None:
+        tags = {**self._tags, "tool": tool}
+        self.tool_calls.inc(1, tags={**tags, "outcome": "ok" if ok else "error"})
+        self.tool_seconds.observe(seconds, tags=tags)
 
     def served(self, prompt_tokens: int, generated_tokens: int, latency_s: float) -> None:
         # Ray counters reject increments of 0.

@@ -65,6 +65,12 @@ PANELS = (
     Panel("Weight sync time", "s", (("p50", "histogram_quantile(0.5, sum by (le) (rate(ray_rollout_weight_sync_duration_seconds_bucket[15m])))"), ("p99", "histogram_quantile(0.99, sum by (le) (rate(ray_rollout_weight_sync_duration_seconds_bucket[15m])))"))),
     Panel("Weight sync bytes / s", "Bps", (("{{backend}}", "sum by (backend) (rate(ray_rollout_weight_sync_bytes_total[15m]))"),)),
     Panel("Requests by outcome", "req/s", (("{{outcome}}", f"sum by (outcome) (rate(ray_rollout_requests_total{{{ENGINE}}}[5m]))"),)),
+    Panel(
+        "Tool calls by tool and outcome",
+        "calls/s",
+        (("{{tool}} {{outcome}}", f"sum by (tool, outcome) (rate(ray_rollout_tool_calls_total{{{ENGINE}}}[5m]))"),),
+    ),
+    Panel("Tool call time p90", "s", (("{{tool}}", f"histogram_quantile(0.9, sum by (le, tool) (rate(ray_rollout_tool_call_seconds_bucket{{{ENGINE}}}[15m])))"),)),
     Panel("Sync failures", "none", (("{{reason}}", "sum by (reason) (increase(ray_rollout_weight_sync_failures_total[1h]))"),)),
     Panel("Replicas", "none", (("registered for sync", "max(ray_rollout_sync_replicas)"), ("reporting engine stats", f"count(ray_rollout_engine_running{{{ENGINE}}})"))),
 )

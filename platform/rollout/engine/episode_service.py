@@ -12,6 +12,7 @@ tokens and the loss mask leaves them out.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Awaitable, Callable, Optional
 
 from rollout.api import (
@@ -39,9 +40,12 @@ Sampler = Callable[[RolloutRequest, Optional[TurnPlan]], Awaitable[Sample]]
 
 
 class EpisodeService:
-    def __init__(self, config: PlatformConfig, tokenizer: Any, replica_id: str, max_model_len: int, sample: Sampler, rewards: RewardScorer):
+    def __init__(
+        self, config: PlatformConfig, tokenizer: Any, replica_id: str, max_model_len: int, sample: Sampler, rewards: RewardScorer, metrics: Optional[Any] = None
+    ):
         self.config = config
         self.rewards = rewards
+        self.metrics = metrics  # rollout.metrics.EngineMetrics, when metrics are on
         self.tokenizer = tokenizer
         self.replica_id = replica_id
         self.max_model_len = max_model_len
@@ -171,7 +175,10 @@ class EpisodeService:
         if episode.tool_calls >= episode.max_tool_calls:
             return _refused(call, f"not run: the episode has made its max_tool_calls={episode.max_tool_calls} calls")
         episode.tool_calls += 1
+        started = time.monotonic()
         outcome = await self.pool.run(tool.path, call.arguments)
+        if self.metrics is not None:
+            self.metrics.tool_call(tool.name, outcome.error is None, time.monotonic() - started)
         return ToolCallResult(id=call.id, name=call.name, arguments=call.arguments, output=outcome.output, error=outcome.error)
 
 

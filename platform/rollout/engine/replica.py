@@ -119,7 +119,7 @@ class RolloutEngine:
         from rollout.engine.episode_service import EpisodeService
 
         # Imports tools.functions: a bad path fails the start.
-        self.episodes = EpisodeService(self.config, self.tokenizer, self.replica_id, self.limits.max_model_len, self._sample_in_episode, self.rewards)
+        self.episodes = EpisodeService(self.config, self.tokenizer, self.replica_id, self.limits.max_model_len, self._sample_in_episode, self.rewards, self.metrics)
         self.inflight = 0
         # When the current run of in-flight requests began: the stuck check counts from
         # here, not from the engine's last step (which, for the first requests after a

@@ -6,9 +6,13 @@ sandbox limits from ``tools.python`` when it starts.
 
 from __future__ import annotations
 
+import logging
+
 from rollout.tools.sandbox import SandboxLimits, run_python
 
+logger = logging.getLogger(__name__)
 _limits = SandboxLimits()
+_told_isolation = False  # the isolation is said once per worker
 
 
 def configure(limits: SandboxLimits) -> None:
@@ -20,4 +24,12 @@ def configure(limits: SandboxLimits) -> None:
 def python(code: str) -> str:
     """Run Python code in a sandbox (no network, no new processes, a temporary working
     directory, limited time and memory) and return what it printed."""
-    return run_python(code, _limits).text()
+    result = run_python(code, _limits)
+    global _told_isolation
+    if not _told_isolation and result.isolation is not None:
+        _told_isolation = True
+        if result.isolation == "audit":
+            logger.warning("python tool: this kernel allows no network namespace; the audit hook alone refuses network access")
+        else:
+            logger.info("python tool: each call runs in a network namespace of its own")
+    return result.text()

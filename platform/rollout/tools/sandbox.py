@@ -36,6 +36,9 @@ class SandboxResult:
     stdout: str
     stderr: str
     stopped: Optional[str] = None  # which limit ended the run: "wall time", "CPU time"
+    # How the network was closed: "namespace" (a network namespace of its own) or "audit"
+    # (the kernel allows no namespace here: the audit hook alone refuses sockets).
+    isolation: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -117,4 +120,5 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
             stdout=_read(out_path, limits.output_chars),
             stderr=_read(err_path, limits.output_chars, keep="tail"),
             stopped=stopped,
+            isolation=_read(os.path.join(workdir, ".isolation"), 20) or None,
         )

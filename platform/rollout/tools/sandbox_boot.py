@@ -132,7 +132,8 @@ def _install_hook(workdir: str) -> None:
 def main() -> None:
     limits = json.loads(sys.argv[1])
     uid = os.getuid()  # (before a user namespace maps it away)
-    _isolate_network()
+    with open(".isolation", "w") as f:  # the parent reports it
+        f.write(_isolate_network())
     _limit(limits, uid)
     import _posixsubprocess
 
