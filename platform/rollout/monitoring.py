@@ -70,7 +70,18 @@ PANELS = (
         "calls/s",
         (("{{tool}} {{outcome}}", f"sum by (tool, outcome) (rate(ray_rollout_tool_calls_total{{{ENGINE}}}[5m]))"),),
     ),
-    Panel("Tool call time p90", "s", (("{{tool}}", f"histogram_quantile(0.9, sum by (le, tool) (rate(ray_rollout_tool_call_seconds_bucket{{{ENGINE}}}[15m])))"),)),
+    Panel(
+        "Tool call time p90",
+        "s",
+        # Only tools called in the window: an idle tool's quantile is 0/0.
+        (
+            (
+                "{{tool}}",
+                f"histogram_quantile(0.9, sum by (le, tool) (rate(ray_rollout_tool_call_seconds_bucket{{{ENGINE}}}[15m])))"
+                f" and on(tool) sum by (tool) (rate(ray_rollout_tool_call_seconds_count{{{ENGINE}}}[15m])) > 0",
+            ),
+        ),
+    ),
     Panel("Sync failures", "none", (("{{reason}}", "sum by (reason) (increase(ray_rollout_weight_sync_failures_total[1h]))"),)),
     Panel("Replicas", "none", (("registered for sync", "max(ray_rollout_sync_replicas)"), ("reporting engine stats", f"count(ray_rollout_engine_running{{{ENGINE}}})"))),
 )
