@@ -12,6 +12,7 @@ import time
 import pytest
 
 from rollout.api import RolloutRequest, SamplingConfig
+from rollout.episodes import replica_of
 from rollout.monitoring import RULES_PATHS, all_queries
 from rollout.sync import WeightPublisher
 from tests.conftest import METRICS_PORT, SYNC_TOKEN, free_port
@@ -115,10 +116,16 @@ async def test_every_dashboard_and_alert_expression_returns_data(prometheus, pub
     plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, RoundRequest(tuple([ParamSpec.of(n, p) for n, p in model.named_parameters()]), _own_address(), _free_port()))
     await asyncio.to_thread(coord.finish, plan.round_id, "trainer gave up")
     await handle_client.generate([RolloutRequest(prompt="after the failed round", sampling=SamplingConfig(max_tokens=8))])
-    # A tool call, for the tool panels (forced: the random model calls none by itself).
+    # Tool calls, for the tool panels (forced: the random model calls none by itself). A
+    # counter's series starts at its first increment, and rate() needs an increase between
+    # two scrapes: so one call, its series seen, then another on the same replica.
     episode = await handle_client.start_episode([{"role": "user", "content": "6*7?"}], tools=["calculator"])
+    replica = replica_of(episode.episode_id)
     (call,) = (await episode.turn(sampling=forced_call("calculator", expression="6*7"))).tool_calls
     assert call.output == "42"
+    await until(prometheus, f'ray_rollout_tool_call_seconds_count{{replica="{replica}",tool="calculator"}}', lambda r: float(r[0]["value"][1]) >= 1)
+    (call,) = (await episode.turn(sampling=forced_call("calculator", expression="6*8"))).tool_calls
+    assert call.output == "48"
     await episode.end()
     missing = []
     for where, expr in all_queries():
@@ -141,16 +148,23 @@ async def test_series_count_does_not_grow_with_request_ids_and_prompts(prometheu
         ]
 
     # The first batches create every series this kind of traffic touches (on every replica:
-    # one that joined lately may still be creating its own); then a batch with 60 new ids,
-    # sessions and prompts must not add one.
+    # one that joined lately may still be creating its own, and series of earlier tests
+    # may still be arriving); then each batch of 60 new ids, sessions and prompts must not
+    # add one: two in a row, so a series that merely arrived late cannot pass for growth.
     for warm_up in ("a1", "a2"):
         await handle_client.generate(batch(warm_up))
         await settled(prometheus, GENERATED)
-    before = await settled(prometheus, expr)
-    await handle_client.generate(batch("b"))
-    await settled(prometheus, GENERATED)
+    counts = []
+    for tag in ("b", "c"):
+        await handle_client.generate(batch(tag))
+        await settled(prometheus, GENERATED)
+        counts.append(await settled(prometheus, expr, seconds=8.0))
     # Series of replicas that left earlier tests may still age out meanwhile: fewer is fine.
-    assert await settled(prometheus, expr) <= before
+    assert counts[1] <= counts[0], counts
+    # And no label anywhere holds a request id, a session or a prompt.
+    series = await asyncio.to_thread(prometheus.query, '{__name__=~"ray_rollout_.*|ray_vllm_.*"}')
+    leaked = [s["metric"] for s in series if any(mark in str(v) for v in s["metric"].values() for mark in ("c-session", "unique prompt", "c-0-", "b-0-"))]
+    assert series and not leaked, leaked[:3]
 
 
 def test_rollout_status_prints_replicas_versions_and_throughput(platform, publisher):
