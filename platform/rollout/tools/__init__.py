@@ -14,6 +14,7 @@ Calls are parsed out of the model's text with vLLM's parser for the model's form
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -29,9 +30,11 @@ BUILTIN_PATHS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def arguments_model(fn: Callable[..., Any]):
     """A pydantic model of ``fn``'s parameters: validates a call's arguments and gives the
-    JSON schema. Parameters without an annotation take any JSON value."""
+    JSON schema. Parameters without an annotation take any JSON value. Built once per
+    function: a worker validates every call with it."""
     fields = {}
     for name, p in inspect.signature(fn).parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
