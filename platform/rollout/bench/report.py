@@ -68,27 +68,43 @@ def engine_throughput(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _publish_ratio(p: dict[str, Any]) -> str:
+    text = f"**{_x(p['publish_vs_engine_round'])}**"
+    interval = p.get("publish_vs_engine_round_interval_90")
+    return f"{text} ({interval[0]:.2f}-{interval[1]:.2f})" if interval else text
+
+
 def weight_sync(r: dict[str, Any]) -> list[str]:
+    order = f"{r['repeats']} rounds a path, {r['order']}" if r.get("order") else f"medians of {r['repeats']} rounds"
+    machine = _machine(r)
     lines = [
         f"**weight_sync** ({r['parameters'] / 1e6:.1f}M parameters, {r['bytes'] / 1e6:.0f} MB in {r['tensors']} tensors, "
-        f"{r['bucket_bytes'] >> 20} MiB buckets; medians of {r['repeats']} rounds). Target: {r['targets']}: "
-        f"**{'met' if r['target_met'] else 'not met'}**.",
+        f"{r['bucket_bytes'] >> 20} MiB buckets; {order}{'; ' + machine if machine else ''}). Target: {r['targets']}: "
+        f"**{'met' if r['target_met'] else 'not met'}**." + (f" Ratios: {r['ratios']}." if r.get("ratios") else ""),
         "",
-        "| replicas | publish | bare engine round | floor | per-tensor | publish / bare round | publish / floor | per-tensor / publish |",
+        "| replicas | publish (range) | bare engine round (range) | floor | per-tensor | publish / bare round (90% interval) | publish / floor | per-tensor / publish |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for p in r["points"]:
         lines.append(
-            f"| {p['replicas']} | {p['publish_s']:.2f} s | {p['engine_round_s']:.2f} s | {p['floor_s']:.2f} s | {p['per_tensor_s']:.2f} s | "
-            f"**{_x(p['publish_vs_engine_round'])}** | {_x(p['publish_vs_floor'])} | {_x(p['per_tensor_vs_publish'])} |"
+            f"| {p['replicas']} | {p['publish_s']:.2f} s ({_seconds_range(p['publish_rounds'])}) | "
+            f"{p['engine_round_s']:.2f} s ({_seconds_range(p['engine_round_rounds'])}) | {p['floor_s']:.2f} s | {p['per_tensor_s']:.2f} s | "
+            f"{_publish_ratio(p)} | {_x(p['publish_vs_floor'])} | {_x(p['per_tensor_vs_publish'])} |"
         )
     phases = [p for p in r["points"] if p.get("publish_phases_s")]
     if phases:
-        lines += ["", "Phases of a publish (medians, seconds):", ""]
+        lines += ["", "Steps of a round (medians, seconds):", ""]
         for p in phases:
             steps = ", ".join(f"{k} {v:.3f}" for k, v in p["publish_phases_s"].items())
-            lines.append(f"- {p['replicas']} replica{'s' if p['replicas'] > 1 else ''}: {steps}")
+            lines.append(f"- {p['replicas']} replica{'s' if p['replicas'] > 1 else ''}, publish: {steps}")
+            if p.get("engine_round_phases_s"):
+                bare = ", ".join(f"{k} {v:.3f}" for k, v in p["engine_round_phases_s"].items())
+                lines.append(f"- {p['replicas']} replica{'s' if p['replicas'] > 1 else ''}, bare engine round: {bare}")
     return lines
+
+
+def _seconds_range(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 def scaling(r: dict[str, Any]) -> list[str]:

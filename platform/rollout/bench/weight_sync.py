@@ -1,4 +1,5 @@
-"""Publish-to-committed latency, against the wire floor and the per-tensor pattern.
+"""Publish-to-committed latency against vLLM's own round, the wire floor and the
+per-tensor pattern.
 
 One run, one machine, one model (the ``medium`` preset, ~30M parameters, so transfer
 cost matters on CPU):
@@ -6,15 +7,17 @@ cost matters on CPU):
 * ``publish``: ``WeightPublisher.publish`` into real vLLM replicas (1, then 2), from
   the call to the committed version: validation, rendezvous, pause, packed gloo
   broadcast, vLLM's layerwise load, commit, resume, every replica confirming.
+* ``engine_round``: bare vLLM engines (no Serve, no coordinator) driven through vLLM's
+  weight-transfer protocol with the same packed buckets, one ``update_weights`` a round,
+  as a trainer driving vLLM by hand would: ``pause_generation``, join, start, receive,
+  finish, ``resume_generation``. The target is the platform's overhead over this round.
+  Publishes and bare rounds take turns (the order rotated every round) with both sets of
+  engines up, so drift of the machine hits both; the ratio is paired round by round.
 * ``floor``: a raw gloo broadcast of the same bytes as one flat buffer to as many
   receiving processes (the replicas and the coordinator's copy), over a group formed
   beforehand. The receivers keep the bytes and load nothing: nothing can beat it.
-* ``per_tensor``: what OpenRLHF-style loops do, into bare vLLM engines (no Serve, no
-  coordinator) driven through vLLM's weight-transfer protocol: for every tensor, one
-  RPC to each engine (``update_weights`` naming that tensor), then one broadcast of it.
-* ``engine_round``: the same bare engines and protocol with our packed buckets, one
-  ``update_weights`` per round: what vLLM's own load costs on top of the wire, without
-  the platform's coordination.
+* ``per_tensor``: what OpenRLHF-style loops do, into the bare engines: for every tensor,
+  one RPC to each engine (``update_weights`` naming that tensor), then one broadcast of it.
 """
 
 from __future__ import annotations
@@ -23,19 +26,22 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 import torch
 
+from rollout.bench.machine import machine
 from rollout.local import cpu_config, local_platform
 from rollout.modelbuild import build_model, is_built
+from rollout.stats_summary import median_interval, paired_ratios
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import send_buckets
 from rollout.sync.net import free_port, own_address
 from rollout.sync.protocol import ParamSpec
 
-REPEATS = 3
+REPEATS = 3  # floor rounds
+ROUNDS = 15  # rounds of each compared path
 
 
 @ray.remote(num_cpus=0)
@@ -102,36 +108,54 @@ def _floor(tensors: dict[str, torch.Tensor], receivers_n: int) -> dict[str, Any]
     return {"floor_s": statistics.median(rounds), "floor_rounds": rounds}
 
 
-def _direct_rounds(engines: Sequence[Any], tensors: dict[str, torch.Tensor], bucket_bytes: int) -> dict[str, Any]:
-    """Rounds into bare engines: packed buckets in one ``update_weights`` vs one per tensor."""
-    specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
-    values = list(tensors.values())
-    address, port, world = own_address(), free_port(), len(engines) + 1
-    slot = GroupSlot()
+class DirectRounds:
+    """Rounds into bare engines over one kept group: packed buckets in one
+    ``update_weights`` a round (vLLM's own round), or one per tensor."""
 
-    def one_round(chunks: list[list[int]]) -> float:
+    def __init__(self, engines: Sequence[Any], tensors: dict[str, torch.Tensor], bucket_bytes: int):
+        self.engines = list(engines)
+        self.specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
+        self.values = list(tensors.values())
+        self.bucket_bytes = bucket_bytes
+        self.address, self.port, self.world = own_address(), free_port(), len(self.engines) + 1
+        self.slot = GroupSlot()
+
+    def round(self, chunks: Optional[list[list[int]]] = None) -> tuple[float, dict[str, float]]:
+        """Seconds of one round, and of its steps (begin: pause, join, start; transfer:
+        ``update_weights`` while the buckets go out; end: finish and resume)."""
+        engines, specs, values = self.engines, self.specs, self.values
+        chunks = chunks or [list(range(len(specs)))]
         t0 = time.perf_counter()
-        begun = [e.begin.remote(address, port, i + 1, world, bucket_bytes) for i, e in enumerate(engines)]
-        group = slot.join(Rendezvous(f"direct-{port}", address, port, world, 120.0), 0)
+        begun = [e.begin.remote(self.address, self.port, i + 1, self.world, self.bucket_bytes) for i, e in enumerate(engines)]
+        group = self.slot.join(Rendezvous(f"direct-{self.port}", self.address, self.port, self.world, 120.0), 0)
         ray.get(begun)
+        t_begun = time.perf_counter()
         for chunk in chunks:  # one RPC per engine per chunk, then the chunk's broadcast
             pending = [e.receive.remote([specs[i] for i in chunk]) for e in engines]
-            send_buckets(group, [specs[i] for i in chunk], [values[i] for i in chunk], bucket_bytes)
+            send_buckets(group, [specs[i] for i in chunk], [values[i] for i in chunk], self.bucket_bytes)
             ray.get(pending)
+        t_sent = time.perf_counter()
         ray.get([e.end.remote() for e in engines])
-        return time.perf_counter() - t0
+        t_end = time.perf_counter()
+        return t_end - t0, {"begin": t_begun - t0, "transfer": t_sent - t_begun, "end": t_end - t_sent}
 
-    everything = [list(range(len(specs)))]
-    one_round(everything)  # warm-up: forms the group, first load
-    bucketed = [one_round(everything) for _ in range(REPEATS)]
-    per_tensor = [one_round([[i] for i in range(len(specs))]) for _ in range(2)]  # slow; two suffice
-    slot.drop()
-    return {
-        "engine_round_s": statistics.median(bucketed),
-        "engine_round_rounds": bucketed,
-        "per_tensor_s": statistics.median(per_tensor),
-        "per_tensor_rounds": per_tensor,
-    }
+    def per_tensor(self) -> float:
+        return self.round([[i] for i in range(len(self.specs))])[0]
+
+    def close(self) -> None:
+        self.slot.drop()
+
+
+def _interleaved(paths: dict[str, Callable[[], tuple[float, dict[str, float]]]], rounds: int) -> dict[str, list[tuple[float, dict[str, float]]]]:
+    """Each path's rounds, the paths taking turns (order rotated every round)."""
+    names = list(paths)
+    for name in names:
+        paths[name]()  # warm-up: first group formation, first load
+    out: dict[str, list] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            out[name].append(paths[name]())
+    return out
 
 
 def _phases(publisher) -> dict[str, float]:
@@ -147,7 +171,16 @@ def _median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rounds if k in r) for k in rounds[0]}
 
 
-def run(out_root: Path) -> dict[str, Any]:
+def _publish_fn(publisher, tensors):
+    def fn() -> tuple[float, dict[str, float]]:
+        t0 = time.perf_counter()
+        publisher.publish(tensors)
+        return time.perf_counter() - t0, _phases(publisher)
+
+    return fn
+
+
+def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from rollout.app import deploy
@@ -164,28 +197,45 @@ def run(out_root: Path) -> dict[str, Any]:
     points = []
     ray.init(num_cpus=8, namespace="rollout-bench", log_to_driver=False)
     try:
+        # The bare engines are up beside the platform, idle while it publishes (and the
+        # platform idle while they take their round), so both see the same machine.
+        engines = [DirectEngine.remote() for _ in range(2)]
+        ray.get([e.start.remote(cfg.model.model_dump()) for e in engines])
         with local_platform(cfg):
             publisher = WeightPublisher.connect(app_name=cfg.app_name)
             for replicas in (1, 2):
                 if replicas > 1:
                     deploy(cfg.model_copy(update={"deployment": cfg.deployment.model_copy(update={"replicas": replicas})}))
-                publisher.publish(tensors)  # warm-up (first group formation, first load)
-                rounds, phases = [], []
-                for _ in range(REPEATS):
-                    t0 = time.perf_counter()
-                    publisher.publish(tensors)
-                    rounds.append(time.perf_counter() - t0)
-                    phases.append(_phases(publisher))
-                points.append({"replicas": replicas, "publish_s": statistics.median(rounds), "publish_rounds": rounds, "publish_phases_s": _median_phases(phases)})
-        # The baselines run after the platform is gone, on engines of the same config.
-        engines = [DirectEngine.remote() for _ in range(2)]
-        ray.get([e.start.remote(cfg.model.model_dump()) for e in engines])
+                direct = DirectRounds(engines[:replicas], tensors, cfg.sync.bucket_bytes)
+                measured = _interleaved({"publish": _publish_fn(publisher, tensors), "engine_round": direct.round}, rounds)
+                per_tensor = [direct.per_tensor() for _ in range(2)]  # slow; two suffice
+                direct.close()
+                publish_s = [t for t, _ in measured["publish"]]
+                bare_s = [t for t, _ in measured["engine_round"]]
+                ratios = paired_ratios(publish_s, bare_s)
+                points.append(
+                    {
+                        "replicas": replicas,
+                        "publish_s": statistics.median(publish_s),
+                        "publish_rounds": publish_s,
+                        "publish_phases_s": _median_phases([p for _, p in measured["publish"]]),
+                        "engine_round_s": statistics.median(bare_s),
+                        "engine_round_rounds": bare_s,
+                        "engine_round_phases_s": _median_phases([p for _, p in measured["engine_round"]]),
+                        "paired_ratios": [round(v, 3) for v in ratios],
+                        "publish_vs_engine_round": round(statistics.median(ratios), 3),
+                        "publish_vs_engine_round_interval_90": [round(v, 3) for v in median_interval(ratios)],
+                        "per_tensor_s": statistics.median(per_tensor),
+                        "per_tensor_rounds": per_tensor,
+                    }
+                )
+        for e in engines:
+            ray.kill(e)
+        # The floor runs after the platform is gone: it measures the wire alone.
         for point in points:
             n = point["replicas"]
-            point.update(_direct_rounds(engines[:n], tensors, cfg.sync.bucket_bytes))
             point.update(receivers=n + 1, **_floor(tensors, n + 1))  # the coordinator's copy receives too
             point.update(
-                publish_vs_engine_round=point["publish_s"] / point["engine_round_s"],
                 publish_vs_floor=point["publish_s"] / point["floor_s"],
                 engine_round_vs_floor=point["engine_round_s"] / point["floor_s"],
                 per_tensor_vs_publish=point["per_tensor_s"] / point["publish_s"],
@@ -199,7 +249,10 @@ def run(out_root: Path) -> dict[str, Any]:
         "tensors": len(tensors),
         "bytes": nbytes,
         "bucket_bytes": cfg.sync.bucket_bytes,
-        "repeats": REPEATS,
+        "repeats": rounds,
+        "order": "interleaved: a publish and a bare engine round in turn, the order rotated every round",
+        "ratios": "paired: the median of each round's publish / the bare engine round next to it; the interval is a bootstrap 90% interval of that median",
+        "machine": machine(),
         "targets": "publish_vs_engine_round <= 1.1 (the platform's overhead over vLLM's own round)",
         "target_met": all(p["publish_vs_engine_round"] <= 1.1 for p in points),
         "points": points,

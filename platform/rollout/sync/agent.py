@@ -2,8 +2,9 @@
 rounds and drives vLLM's native protocol on its own engine.
 
 Per round: ``pause_generation(mode)`` → ``init_weight_transfer_engine`` →
-``start_weight_update`` → ``update_weights`` (receives every bucket) → report to the
-coordinator → on commit ``finish_weight_update(version)`` → ``resume_generation``.
+``start_weight_update`` → ``update_weights`` (receives every bucket) →
+``finish_weight_update`` while the coordinator decides → on commit
+``update_weight_version(version)`` → ``resume_generation``.
 A restore round from a committed checkpoint replaces the transfer steps with vLLM's
 ``reload_weights(weights_path)`` and the finish with ``update_weight_version``.
 Generation stays paused from before the first tensor arrives until the round is
@@ -29,6 +30,29 @@ logger = logging.getLogger(__name__)
 # Seconds past a round's deadline after which an engine call that has not returned
 # counts as blocked for good (see SyncAgent._apply).
 WEDGED_GRACE_S = 15.0
+
+_PAUSE_FALLBACK_LOGGED = False
+
+async def pause_for_update(engine: Any, mode: str) -> None:
+    """vLLM's ``pause_generation(mode, clear_cache=True)`` without its closing 20 ms sleep.
+
+    That sleep only lets the last outputs of requests the pause ended reach their callers
+    before the method returns, which vLLM notes is not needed for correctness; in a sync
+    round it sits on the critical path of every publish, and nothing here waits on that
+    ordering (vLLM labels tokens with the version they were computed under). An engine
+    without those calls gets ``pause_generation`` itself.
+    """
+    core, renderer = getattr(engine, "engine_core", None), getattr(engine, "renderer", None)
+    if not hasattr(core, "pause_scheduler_async") or not hasattr(renderer, "clear_mm_cache_async"):
+        global _PAUSE_FALLBACK_LOGGED
+        if not _PAUSE_FALLBACK_LOGGED:
+            logger.info("the engine has no engine_core.pause_scheduler_async: sync rounds pause through pause_generation (20 ms more each)")
+            _PAUSE_FALLBACK_LOGGED = True
+        await engine.pause_generation(mode=mode, clear_cache=True)
+        return
+    await renderer.clear_mm_cache_async()
+    await core.pause_scheduler_async(mode=mode, clear_cache=True)
+
 
 class SyncAgent:
     def __init__(self, engine: Any, coordinator: Any, replica_id: str, ranks: int, model_path: str):
@@ -290,12 +314,13 @@ class SyncAgent:
         started = False
         consistent = False
         wedged = False
+        finishing: Optional[asyncio.Future] = None  # vLLM's finish, run while the coordinator decides
         async with clock("pause"):
             # Under a trainer's /pause, pause again in "keep": it aborts nothing the hold keeps
             # (requests sent meanwhile included) and still resets the prefix cache, so no KV
             # computed under the old weights is reused after the update.
             mode = "keep" if self.held else plan.pause_mode
-            await asyncio.wait_for(self.engine.pause_generation(mode=mode, clear_cache=True), t)
+            await asyncio.wait_for(pause_for_update(self.engine, mode), t)
         try:
             try:
                 if plan.checkpoint is not None:
@@ -325,15 +350,19 @@ class SyncAgent:
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
+            if error is None and plan.checkpoint is None:
+                # vLLM's finish (the layerwise reload's finalization) does not depend on the
+                # decision: it runs while the coordinator decides, and only the version label
+                # waits for the commit. After an abort the weights are restored either way.
+                finishing = asyncio.ensure_future(asyncio.wait_for(self.engine.finish_weight_update(), step_limit))
             async with clock("decision"):
                 outcome = await self._report(plan, error)
             self.committed = max(self.committed, outcome.version)
-            if outcome.committed:
-                async with clock("finish"):
-                    if plan.checkpoint is not None:
-                        await asyncio.wait_for(self.engine.update_weight_version(str(plan.version)), t)
-                    else:
-                        await asyncio.wait_for(self.engine.finish_weight_update(weight_version=str(outcome.version)), t)
+            finish_error = await self._finished(plan, finishing, clock)
+            if outcome.committed and finish_error is None:
+                async with clock("version"):
+                    # Tokens are labelled with the engine's version from the resume on.
+                    await asyncio.wait_for(self.engine.update_weight_version(str(outcome.version)), t)
                 self.version = outcome.version
                 self.awaiting_publish = None  # every round carries the full model: whole weights again
                 consistent = True
@@ -344,9 +373,10 @@ class SyncAgent:
                 logger.error("replica %s: %s", self.replica_id, self.broken)
             elif started:
                 # vLLM loads tensors into the live model as they arrive: after a partial
-                # transfer the weights are a mix of two versions and must not serve.
-                logger.error("replica %s: %s aborted mid-transfer (%s); restoring", self.replica_id, plan.round_id, outcome.error)
-                if plan.checkpoint is None:
+                # transfer (or a failed finish) the weights are a mix of two versions and must not serve.
+                why = finish_error if outcome.committed else f"aborted mid-transfer ({outcome.error})"
+                logger.error("replica %s: %s %s; restoring", self.replica_id, plan.round_id, why)
+                if plan.checkpoint is None and finishing is None:
                     await self._close_update(t)
             else:
                 consistent = True  # nothing was loaded
@@ -357,6 +387,19 @@ class SyncAgent:
         logger.info("replica %s: %s took %s", self.replica_id, plan.round_id, clock)
         await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version, clock.phases)
         return consistent
+
+    async def _finished(self, plan: RoundPlan, finishing: Optional[asyncio.Future], clock: PhaseClock) -> Optional[str]:
+        """Wait for the finish started before the decision; its error, or None."""
+        if finishing is None:
+            return None
+        async with clock("finish"):
+            try:
+                await finishing
+            except asyncio.TimeoutError:
+                return "finishing the update did not end within the step deadline"
+            except Exception as e:
+                return f"finishing the update failed: {type(e).__name__}: {e}"
+        return None
 
     async def _session_update_info(self, plan: RoundPlan) -> dict:
         """A route session's round: say this member started, then wait for the trainer's
