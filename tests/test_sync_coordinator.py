@@ -189,3 +189,72 @@ async def test_a_member_that_never_confirms_serving_is_named_in_the_outcome_inst
     status = await c.status()
     assert status["last_outcome"]["unconfirmed"] == ["b"]
     assert status["replicas"]["b"]["version"] == 0, "b's lag stays visible"
+
+
+async def test_with_a_weight_copy_the_publisher_sends_it_after_the_commit_and_a_restore_waits_for_it(tmp_path):
+    """gloo: the round's group holds the trainer and the replicas only (they never wait for
+    the coordinator's copy); once the round commits, the publisher's sender sends the copy
+    from the buckets it kept, so a trainer that changes its tensors right after publish()
+    cannot corrupt it; a restore asked for before the copy lands waits for it."""
+    import threading
+
+    import torch
+
+    from rollout.sync.backends.gloo import GlooSender, rendezvous
+    from rollout.sync.backends.gloo_group import GlooGroup
+    from rollout.sync.backends.gloo_stream import receive_buckets
+
+    c = WeightSyncCoordinator({"model": {"path": str(tmp_path)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 20}}, "gloo")
+    c._token = None
+    tensors = {"w": torch.randn(4, 4), "b": torch.randn(8)}
+    specs = tuple(ParamSpec.of(n, t) for n, t in tensors.items())
+    await c.register("a", 1, 0, list(specs))
+    sender = GlooSender()
+    copy_group, copy_port = sender.copy_offer()
+    plan = await c.begin_round(None, RoundRequest(specs, "127.0.0.1", _free_port(), copy_group=copy_group, copy_port=copy_port))
+    assert plan.keeper_rank is None and plan.world_size == 2 and plan.copy_group == copy_group, "the copy is not in the round"
+
+    received = {}
+
+    def replica() -> None:
+        group = GlooGroup(rendezvous(plan), 1)
+        received.update({n: t.clone() for named in receive_buckets(group, plan.params, plan.bucket_bytes) for n, t in named})
+
+    receiving = threading.Thread(target=replica)
+    receiving.start()
+    await asyncio.to_thread(sender.send, plan, [tensors[p.name] for p in plan.params])
+    await asyncio.to_thread(receiving.join, 20)
+    assert all(torch.equal(received[n], t) for n, t in tensors.items())
+    sent = {n: t.clone() for n, t in tensors.items()}
+    for t in tensors.values():
+        t.add_(1.0)  # the trainer's next optimizer step, as soon as publish() returns
+
+    asyncio.get_running_loop().create_task(c.report(plan.round_id, "a", None))
+    finish = asyncio.create_task(c.finish(plan.round_id))
+    await asyncio.sleep(0.1)
+    await c.applied(plan.round_id, "a", 1)
+    assert (await asyncio.wait_for(finish, 5)).committed
+    assert c.keeper.version == 0, "the copy has not been sent yet"
+    restore = asyncio.create_task(c.restore("a"))
+    await asyncio.sleep(0.3)
+    assert not restore.done(), "a restore waits for the copy on its way instead of failing"
+
+    await asyncio.to_thread(sender.send_copy, plan)
+    restore_plan = await asyncio.wait_for(restore, 10)
+    assert restore_plan.restore and restore_plan.version == 1 and c.keeper.version == 1
+    restored = {}
+
+    def restored_replica() -> None:
+        group = GlooGroup(rendezvous(restore_plan), 1)
+        restored.update({n: t.clone() for named in receive_buckets(group, restore_plan.params, restore_plan.bucket_bytes) for n, t in named})
+
+    await asyncio.to_thread(restored_replica)
+    assert all(torch.equal(restored[n], t) for n, t in sent.items()), "the restore sends the weights as published"
+    await c.report(restore_plan.round_id, "a", None)
+    sender.close()
+
+
+def _free_port() -> int:
+    from rollout.sync.net import free_port
+
+    return free_port()

@@ -14,8 +14,9 @@ cost matters on CPU):
   Publishes and bare rounds take turns (the order rotated every round) with both sets of
   engines up, so drift of the machine hits both; the ratio is paired round by round.
 * ``floor``: a raw gloo broadcast of the same bytes as one flat buffer to as many
-  receiving processes (the replicas and the coordinator's copy), over a group formed
-  beforehand. The receivers keep the bytes and load nothing: nothing can beat it.
+  receiving processes as replicas (the coordinator's copy is sent after the commit),
+  over a group formed beforehand. The receivers keep the bytes and load nothing:
+  nothing can beat it.
 * ``per_tensor``: what OpenRLHF-style loops do, into the bare engines: for every tensor,
   one RPC to each engine (``update_weights`` naming that tensor), then one broadcast of it.
 """
@@ -234,7 +235,7 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
         # The floor runs after the platform is gone: it measures the wire alone.
         for point in points:
             n = point["replicas"]
-            point.update(receivers=n + 1, **_floor(tensors, n + 1))  # the coordinator's copy receives too
+            point.update(receivers=n, **_floor(tensors, n))  # the coordinator's copy comes after the commit
             point.update(
                 publish_vs_floor=point["publish_s"] / point["floor_s"],
                 engine_round_vs_floor=point["engine_round_s"] / point["floor_s"],

@@ -112,6 +112,7 @@ class WeightSyncCoordinator(RouteSessions):
 
             self.keeper = WeightKeeper(self.config.model.path)
         self._group: Optional[_Group] = None  # the last committed publish round's transfer group
+        self._copy: Optional[asyncio.Task] = None  # the keeper receiving the last commit's copy
         # (version, directory): the committed weights on shared storage, when the publisher said where.
         self._checkpoint: Optional[tuple[int, str]] = None
         # Held from opening a round until its decision: one round at a time.
@@ -249,8 +250,12 @@ class WeightSyncCoordinator(RouteSessions):
         # With no replica (scaled to zero) the round commits into the keeper alone;
         # replicas that start later catch up from it.
         members, world_size = assign_ranks(live)
+        # The copy comes after the commit, over a group of two, when the publisher offers
+        # one (its replicas then never wait for it); else, and with no replica to send
+        # to, the keeper receives in the round.
+        copy_after = self.keeper is not None and bool(request.copy_group) and bool(live)
         keeper_rank = None
-        if self.keeper is not None:
+        if self.keeper is not None and not copy_after:
             keeper_rank, world_size = world_size, world_size + 1
         group_name, address, port = "", request.master_address, request.master_port
         last = self._group
@@ -268,6 +273,8 @@ class WeightSyncCoordinator(RouteSessions):
             keeper_rank=keeper_rank,
             group_name=group_name,
             transfer_info=request.transfer_info,
+            copy_group=request.copy_group if copy_after else "",
+            copy_port=request.copy_port if copy_after else 0,
         )
         self._start_round(plan)
         if keeper_rank is not None:
@@ -311,6 +318,24 @@ class WeightSyncCoordinator(RouteSessions):
         rnd.keeper_reported, rnd.keeper_error = True, error
         self._decide_if_complete(rnd)
 
+    async def _receive_copy(self, plan: RoundPlan, version: int) -> None:
+        """The committed round's copy, sent by its publisher after the commit."""
+        try:
+            tensors = await asyncio.to_thread(self.keeper.receive_copy, plan)  # the group's timeouts bound it
+        except Exception as e:
+            logger.error(
+                "the copy of version %d did not arrive (%s: %s): the coordinator holds version %d; replicas that start "
+                "or roll back wait for the next publish", version, type(e).__name__, e, self.keeper.version,
+            )
+            return
+        self.keeper.install(version, tensors)
+
+    async def _copy_landed(self) -> None:
+        """Wait (up to a step deadline) for the copy of the last commit, if it is on its way."""
+        copy = self._copy
+        if copy is not None and not copy.done():
+            await asyncio.wait({copy}, timeout=self.config.sync.timeout_s)
+
     async def restore(self, replica_id: str) -> RoundPlan:
         """Open a round that brings one replica to the committed weights.
 
@@ -325,6 +350,7 @@ class WeightSyncCoordinator(RouteSessions):
             raise NotRegisteredError(f"replica {replica_id} is not registered")
         checkpoint = self._checkpoint[1] if self._checkpoint and self._checkpoint[0] == self.committed_version else None
         if checkpoint is None:
+            await self._copy_landed()
             self._check_keeper_holds_committed(replica_id)
         await self._acquire_round()
         try:
@@ -412,7 +438,9 @@ class WeightSyncCoordinator(RouteSessions):
         if committed and not rnd.plan.restore:
             self._checkpoint = (rnd.version, rnd.checkpoint) if rnd.checkpoint else None
         if self.keeper is not None and not rnd.plan.restore:
-            if committed:
+            if committed and rnd.plan.copy_group:
+                self._copy = asyncio.get_running_loop().create_task(self._receive_copy(rnd.plan, rnd.version))
+            elif committed:
                 self.keeper.commit(rnd.plan.round_id, rnd.version)
             else:
                 self.keeper.discard(rnd.plan.round_id)

@@ -1,12 +1,14 @@
 """The coordinator's copy of the last committed weights, and the rounds it serves from it.
 
-The keeper joins every publish round as one more receiving rank, so keeping the copy
-costs the trainer nothing (one more receiver of the same broadcast) and costs the
-coordinator's node one model's worth of host memory. From that copy it acts as the
-sender of *restore* rounds: a replica that starts after a commit catches up before it
-takes traffic, and a replica whose transfer broke off mid-way reloads the committed
-weights instead of serving a mix. Before the first commit the copy is the checkpoint
-on disk, read lazily.
+After a publish round commits, the publisher sends this copy over a group of two of its
+own, from the packed buckets it sent the replicas: the replicas never wait for it, and it
+costs the coordinator's node one model's worth of host memory. (Rounds a trainer drives
+through vLLM's routes know nothing of that second send: there the keeper joins the
+trainer's group as one more receiving rank.) From that copy it acts as the sender of
+*restore* rounds: a replica that starts after a commit catches up before it takes
+traffic, and a replica whose transfer broke off mid-way reloads the committed weights
+instead of serving a mix. Before the first commit the copy is the checkpoint on disk,
+read lazily.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.sync.backends.gloo import GlooSender, rendezvous
+from rollout.sync.backends.gloo import GlooSender, copy_rendezvous, rendezvous
 from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets
 from rollout.sync.protocol import ParamSpec, RoundPlan
@@ -35,7 +37,8 @@ class WeightKeeper:
         # The version the copy holds: 0 is the checkpoint on disk. A restarted
         # coordinator starts here again and must not pass these off as a later version.
         self.version = 0
-        self._slot = GroupSlot()  # the publish rounds' group, kept like every member's
+        self._slot = GroupSlot()  # the route sessions' group (and rounds it receives in), kept like every member's
+        self._copy_slot = GroupSlot()  # the group of two the publisher sends the copy over
 
     # ---- receiving (a rank of every publish round) ----------------------------------
 
@@ -52,6 +55,23 @@ class WeightKeeper:
                 staged.update(named)
         self._staging[plan.round_id] = (plan.version, staged)
 
+    def receive_copy(self, plan: RoundPlan) -> dict[str, torch.Tensor]:
+        """Blocking: the copy of committed ``plan`` from its publisher, over the group of
+        two the plan names (rank 1); installed with :meth:`install`."""
+        staged: dict[str, torch.Tensor] = {}
+        with self._copy_slot.use(copy_rendezvous(plan), 1) as group:
+            for named in receive_buckets(group, plan.params, plan.bucket_bytes):
+                staged.update(named)
+        return staged
+
+    def install(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold ``tensors`` as committed ``version``, unless a newer copy arrived first."""
+        if version < self.version:
+            logger.warning("keeper: the copy of version %d arrived after version %d's; dropped", version, self.version)
+            return
+        self.version, self._committed = version, tensors
+        logger.info("keeper holds version %d", self.version)
+
     def commit(self, round_id: str, version: int) -> None:
         """``round_id`` committed as ``version`` (a route session's trainer names it at the end)."""
         staged = self._staging.pop(round_id, None)
@@ -60,8 +80,7 @@ class WeightKeeper:
             logger.error("keeper: round %s committed without a staged copy; holding no valid copy", round_id)
             self.version, self._committed = -1, None
             return
-        self.version, self._committed = version, staged[1]
-        logger.info("keeper holds version %d", self.version)
+        self.install(version, staged[1])
 
     def discard(self, round_id: str) -> None:
         self._staging.pop(round_id, None)

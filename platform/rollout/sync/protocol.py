@@ -86,6 +86,12 @@ class RoundRequest:
     # A directory every replica reads holding the same weights: once committed, replicas
     # that start later or roll back reload it.
     checkpoint: Optional[str] = None
+    # Backends whose coordinator keeps a copy: the group of two (this publisher at
+    # ``master_address:copy_port`` as rank 0, the coordinator's copy as rank 1) over which
+    # the publisher sends that copy once the round commits, off the round's critical path.
+    # The group the publisher still holds, or a new name. Empty: the copy receives in the round.
+    copy_group: str = ""
+    copy_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,11 @@ class RoundPlan:
     # members joined at ``/init_weight_transfer_engine``. Members skip the join and take
     # the update info from ``/update_weights`` (``params`` is empty until then).
     session: str = ""
+    # Publish rounds whose coordinator keeps a copy: the publisher sends that copy over
+    # this group of two (see RoundRequest.copy_group) once the round commits, and
+    # ``keeper_rank`` is None. Empty: the copy receives in the round as ``keeper_rank``.
+    copy_group: str = ""
+    copy_port: int = 0
 
     @property
     def group(self) -> str:

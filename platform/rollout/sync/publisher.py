@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Iterable, Mapping, Optional, Union
 
 import torch
 
 from rollout.sync import net
-from rollout.sync.backends import make_sender
+from rollout.sync.backends import get_backend, make_sender
 from rollout.sync.backends.base import Sender
-from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, ParamSpec, RoundOutcome, RoundRequest, SyncError
+from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, ParamSpec, RoundOutcome, RoundPlan, RoundRequest, SyncError
 from rollout.sync.remote import CoordinatorClient, HandleCoordinator, HttpCoordinator
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,6 @@ def _send_with_deadline(sender, plan, tensors) -> Optional[str]:
     deadline the round is reported failed and the sending thread is abandoned (it ends
     when the transport notices the closed peers).
     """
-    import threading
-
     outcome: dict[str, Optional[str]] = {}
 
     def run() -> None:
@@ -69,6 +68,8 @@ class WeightPublisher:
         # Kept across rounds: it holds the transfer group the next round may reuse.
         self._sender: Optional[Sender] = None
         self._backend_resolved: Optional[str] = None
+        # The coordinator's copy of the last committed round, still being sent.
+        self._copy: Optional[threading.Thread] = None
 
     @classmethod
     def connect(cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None, timeout_s: float = 600.0) -> "WeightPublisher":
@@ -118,8 +119,10 @@ class WeightPublisher:
         tensors = {name: t.detach() for name, t in items}
         specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
         backend = self._platform_backend()
+        self._wait_for_copy()  # the last round's copy uses the sender's buffers and a group of it
         if self._sender is None:
             self._sender = make_sender(backend)
+        copy_group, copy_port = self._sender.copy_offer() if get_backend(backend).keeps_copy else ("", 0)
         request = RoundRequest(
             params=tuple(specs),
             master_address=net.own_address(),
@@ -128,6 +131,8 @@ class WeightPublisher:
             reuse_group=self._sender.group_name,
             transfer_info=self._sender.offer(list(tensors.values())),
             checkpoint=checkpoint,
+            copy_group=copy_group,
+            copy_port=copy_port,
         )
         plan = self._coordinator.begin_round(self._token, request)
         t_open = time.perf_counter()
@@ -144,6 +149,11 @@ class WeightPublisher:
         self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
         self.last_phases.update({f"send.{k}": v for k, v in getattr(sender, "phases", {}).items()})
         self.last_outcome = outcome
+        if plan.copy_group and self._sender is sender:
+            if outcome.committed:
+                self._start_copy(sender, plan)
+            else:
+                sender.drop_kept()
         if not outcome.committed:
             raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
         self.last_sync_s = t_done - t0
@@ -154,6 +164,30 @@ class WeightPublisher:
                 outcome.unconfirmed,
             )
         return outcome.version
+
+    def _start_copy(self, sender: Sender, plan: RoundPlan) -> None:
+        """Send the coordinator's copy of the committed round in the background: every
+        replica already serves it, and a replica that needs catching up meanwhile waits
+        for the copy at the coordinator."""
+
+        def run() -> None:
+            try:
+                sender.send_copy(plan)
+            except Exception as e:
+                logger.error(
+                    "the coordinator's copy of version %d was not sent (%s: %s): replicas that start or roll back "
+                    "catch up only after the next publish", plan.version, type(e).__name__, e,
+                )
+
+        self._copy = threading.Thread(target=run, name=f"copy-{plan.round_id}", daemon=True)
+        self._copy.start()
+
+    def _wait_for_copy(self) -> None:
+        copy, self._copy = self._copy, None
+        if copy is None:
+            return
+        # Bounded by the transport's own deadline (the round's); past it the copy failed.
+        copy.join()
 
     def _platform_backend(self) -> str:
         """The coordinator's backend (asked once): the sender must exist before the round
@@ -166,7 +200,9 @@ class WeightPublisher:
         return self._backend_resolved
 
     def close(self) -> None:
-        """Leave the transfer group (the next round forms a new one)."""
+        """Finish sending the coordinator's copy, then leave the transfer groups (the
+        next round forms new ones)."""
+        self._wait_for_copy()
         if self._sender is not None:
             self._sender.close()
             self._sender = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from rollout.errors import unwrap_remote
 from rollout.sync.protocol import ParamSpec, RoundOutcome, RoundPlan, RoundRequest, SyncError
@@ -26,6 +26,14 @@ class BeginRoundBody(BaseModel):
     master_port: int = Field(ge=1, le=65535)
     reuse_group: Optional[str] = Field(default=None, description="The transfer group the publisher still holds from its last round.")
     checkpoint: Optional[str] = Field(default=None, min_length=1, description="Absolute path of the same weights on storage every replica reads; restores reload it.")
+    copy_group: str = Field(default="", max_length=128, description="The group of two over which the publisher sends the coordinator's copy after the commit (empty: the copy receives in the round).")
+    copy_port: int = Field(default=0, ge=0, le=65535, description="Where the publisher listens for that group (with copy_group).")
+
+    @model_validator(mode="after")
+    def _copy_group_needs_a_port(self) -> "BeginRoundBody":
+        if self.copy_group and not self.copy_port:
+            raise ValueError("copy_port: a copy_group needs the port the publisher listens on")
+        return self
 
     @classmethod
     def of(cls, request: RoundRequest) -> "BeginRoundBody":

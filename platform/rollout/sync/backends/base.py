@@ -31,14 +31,18 @@ class Sender(Protocol):
     def close(self) -> None:
         """Release the transfer group."""
 
+    # Backends that keep a copy (``SyncBackend.keeps_copy``) also have ``copy_offer()``
+    # (where the coordinator's copy goes: a group name and a port), ``send_copy(plan)``
+    # (after the commit, the round's weights to that copy) and ``drop_kept()``.
+    #
     # Optional: ``phases``, seconds per step of the last send, where a transport reports
     # them; the publisher adds them to ``last_phases`` as ``send.<step>``.
 
 
 class SyncBackend(ABC):
     name: ClassVar[str]
-    # Whether the coordinator's copy of the committed weights (the keeper, on the
-    # coordinator's CPU) can join the round as one more receiver. Without it, replicas
+    # Whether the coordinator keeps a copy of the committed weights (the keeper, on the
+    # coordinator's CPU), sent by the publisher after each commit. Without it, replicas
     # can catch up only from a checkpoint the publisher named.
     keeps_copy: ClassVar[bool] = False
     # Environment the replicas' engine processes need (inherited by vLLM's workers).

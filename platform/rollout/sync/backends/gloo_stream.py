@@ -7,7 +7,7 @@ buckets in flight while it loads one.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -18,11 +18,25 @@ from rollout.sync.wire import bucket_bytes_of, pack, plan_buckets, unpack
 IN_FLIGHT = 2  # buckets a receiver has posted ahead of the one it is loading
 
 
-def send_buckets(group: GlooGroup, params: Sequence[ParamSpec], tensors: Sequence[torch.Tensor], bucket_bytes: int) -> None:
+def send_buckets(
+    group: GlooGroup, params: Sequence[ParamSpec], tensors: Sequence[torch.Tensor], bucket_bytes: int, keep: Optional[list[torch.Tensor]] = None
+) -> None:
+    """Broadcast ``tensors`` in packed buckets; ``keep``, when given, receives every packed
+    bucket (a copy of the weights that later changes to ``tensors`` do not touch)."""
+    _broadcast_pipelined(group, (pack(tensors[i] for i in bucket) for bucket in plan_buckets(params, bucket_bytes)), keep)
+
+
+def send_packed(group: GlooGroup, buffers: Sequence[torch.Tensor]) -> None:
+    """Broadcast buckets :func:`send_buckets` kept, in the same wire format."""
+    _broadcast_pipelined(group, iter(buffers), None)
+
+
+def _broadcast_pipelined(group: GlooGroup, buffers: Iterator[torch.Tensor], keep: Optional[list[torch.Tensor]]) -> None:
     in_flight = None
-    for bucket in plan_buckets(params, bucket_bytes):
-        packed = pack(tensors[i] for i in bucket)
+    for packed in buffers:  # the next bucket is packed while the last one is on the wire
         work = group.broadcast_async(packed)
+        if keep is not None:
+            keep.append(packed)
         if in_flight is not None:
             in_flight[0].wait()
         in_flight = (work, packed)  # the buffer must outlive its broadcast
