@@ -182,6 +182,11 @@ class WeightPublisher:
         self._copy = threading.Thread(target=run, name=f"copy-{plan.round_id}", daemon=True)
         self._copy.start()
 
+    def flush(self) -> None:
+        """Block until the coordinator's copy of the last committed version is sent
+        (``publish`` returns before; the next ``publish`` and ``close`` wait for it too)."""
+        self._wait_for_copy()
+
     def _wait_for_copy(self) -> None:
         copy, self._copy = self._copy, None
         if copy is None:
