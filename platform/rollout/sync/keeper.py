@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from rollout.sync.backends.gloo import GlooSender, copy_rendezvous, rendezvous
-from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
+from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets
 from rollout.sync.protocol import ParamSpec, RoundPlan
 
@@ -38,7 +38,6 @@ class WeightKeeper:
         # coordinator starts here again and must not pass these off as a later version.
         self.version = 0
         self._slot = GroupSlot()  # the route sessions' group (and rounds it receives in), kept like every member's
-        self._copy_slot = GroupSlot()  # the group of two the publisher sends the copy over
 
     # ---- receiving (a rank of every publish round) ----------------------------------
 
@@ -59,9 +58,12 @@ class WeightKeeper:
         """Blocking: the copy of committed ``plan`` from its publisher, over the group of
         two the plan names (rank 1); installed with :meth:`install`."""
         staged: dict[str, torch.Tensor] = {}
-        with self._copy_slot.use(copy_rendezvous(plan), 1) as group:
+        group = GlooGroup(copy_rendezvous(plan), 1)
+        try:
             for named in receive_buckets(group, plan.params, plan.bucket_bytes):
                 staged.update(named)
+        finally:
+            group.close()
         return staged
 
     def install(self, version: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -87,9 +87,9 @@ class RoundRequest:
     # that start later or roll back reload it.
     checkpoint: Optional[str] = None
     # Backends whose coordinator keeps a copy: the group of two (this publisher at
-    # ``master_address:copy_port`` as rank 0, the coordinator's copy as rank 1) over which
-    # the publisher sends that copy once the round commits, off the round's critical path.
-    # The group the publisher still holds, or a new name. Empty: the copy receives in the round.
+    # ``master_address:copy_port`` as rank 0, the coordinator's copy as rank 1), formed for
+    # that copy alone, over which the publisher sends it once the round commits, off the
+    # round's critical path. Empty: the copy receives in the round.
     copy_group: str = ""
     copy_port: int = 0
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from rollout.sync.backends.base import SyncBackend
-from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
+from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import send_buckets, send_packed
 from rollout.sync.net import free_port
 from rollout.sync.protocol import Member, RoundPlan
@@ -48,8 +48,6 @@ class GlooSender:
         self._slot = GroupSlot()
         # The coordinator's copy goes over a group of two of its own after the commit
         # (the replicas do not wait for it), from the packed buckets the round sent.
-        self._copy_slot = GroupSlot()
-        self._copy_port = 0
         self._kept: Optional[list[torch.Tensor]] = None
 
     @property
@@ -61,12 +59,10 @@ class GlooSender:
         return None  # pushed by send()
 
     def copy_offer(self) -> tuple[str, int]:
-        """Where the coordinator's copy of the next round goes: the group of two this
-        sender still holds, or a new one at a free port."""
-        if self._copy_slot.group is None:
-            self._copy_port = free_port()
-            return f"copy-{uuid.uuid4().hex[:8]}", self._copy_port
-        return self._copy_slot.name, self._copy_port
+        """Where the coordinator's copy of the next round goes: a group of two formed for
+        that copy alone (off the critical path, so its rendezvous costs no round anything,
+        and no stale group can outlive a restarted coordinator)."""
+        return f"copy-{uuid.uuid4().hex[:8]}", free_port()
 
     def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
         # With a copy to send after the commit, the packed buckets are kept for it: the
@@ -82,8 +78,11 @@ class GlooSender:
         kept, self._kept = self._kept, None
         if kept is None:
             raise RuntimeError(f"{plan.round_id}: no buckets kept for the coordinator's copy")
-        with self._copy_slot.use(copy_rendezvous(plan), 0) as group:
+        group = GlooGroup(copy_rendezvous(plan), 0)
+        try:
             send_packed(group, kept)
+        finally:
+            group.close()
 
     def drop_kept(self) -> None:
         self._kept = None
@@ -91,4 +90,3 @@ class GlooSender:
     def close(self) -> None:
         self._kept = None
         self._slot.drop()
-        self._copy_slot.drop()
