@@ -68,8 +68,8 @@ class WeightPublisher:
         # Kept across rounds: it holds the transfer group the next round may reuse.
         self._sender: Optional[Sender] = None
         self._backend_resolved: Optional[str] = None
-        # The coordinator's copy of the last committed round, still being sent.
-        self._copy: Optional[threading.Thread] = None
+        # The coordinator's copy of the last committed round, still being sent (the thread, its deadline).
+        self._copy: Optional[tuple[threading.Thread, float]] = None
 
     @classmethod
     def connect(cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None, timeout_s: float = 600.0) -> "WeightPublisher":
@@ -179,8 +179,10 @@ class WeightPublisher:
                     "catch up only after the next publish", plan.version, type(e).__name__, e,
                 )
 
-        self._copy = threading.Thread(target=run, name=f"copy-{plan.round_id}", daemon=True)
-        self._copy.start()
+        thread = threading.Thread(target=run, name=f"copy-{plan.round_id}", daemon=True)
+        thread.start()
+        # The group's rendezvous and its transfer each end at the round's timeout.
+        self._copy = (thread, 2 * plan.timeout_s)
 
     def flush(self) -> None:
         """Block until the coordinator's copy of the last committed version is sent
@@ -191,8 +193,10 @@ class WeightPublisher:
         copy, self._copy = self._copy, None
         if copy is None:
             return
-        # Bounded by the transport's own deadline (the round's); past it the copy failed.
-        copy.join()
+        thread, timeout_s = copy
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():  # its own buffers and group: nothing of it is reused
+            logger.error("the coordinator's copy was not sent within %.0fs; going on without waiting for it", timeout_s)
 
     def _platform_backend(self) -> str:
         """The coordinator's backend (asked once): the sender must exist before the round
