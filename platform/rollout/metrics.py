@@ -155,10 +155,13 @@ class _NoRecord:
 @lru_cache(maxsize=1)
 def vllm_ray_stat_logger():
     """vLLM's own metrics through Ray's agent (``ray_vllm_*``), as Ray Serve LLM does, less
-    the per-token histogram (:data:`VLLM_METRICS_LEFT_OUT`)."""
+    the per-token histogram (:data:`VLLM_METRICS_LEFT_OUT`), recorded once a second rather
+    than once per engine step (:mod:`rollout.engine.coalesced_stats`)."""
     import logging
 
     from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    from rollout.engine.coalesced_stats import coalescing
 
     class RolloutRayStatLogger(RayPrometheusStatLogger):
         def __init__(self, *args, **kwargs):
@@ -168,4 +171,4 @@ def vllm_ray_stat_logger():
             for name, why in VLLM_METRICS_LEFT_OUT.items():
                 logging.getLogger(__name__).info("not exported: %s (%s)", name, why)
 
-    return RolloutRayStatLogger
+    return coalescing(RolloutRayStatLogger)

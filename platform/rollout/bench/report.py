@@ -42,9 +42,16 @@ def _machine(r: dict[str, Any]) -> str:
     return f"{m.get('cpus')} CPUs ({m.get('cpu', '?')}), Python {m.get('python')}" + (f"; {versions}" if versions else "")
 
 
+def _batches(r: dict[str, Any]) -> str:
+    per = r.get("batches_per_round")
+    if not per:
+        return ""
+    return " (a round: " + ", ".join(f"{b} batch{'es' if b > 1 else ''} of {n}" for n, b in per.items()) + ", one after another)"
+
+
 def engine_throughput(r: dict[str, Any]) -> list[str]:
     lines = [
-        f"**engine_throughput** ({r['max_tokens']} tokens a request, {r.get('rounds', '?')} rounds a path, "
+        f"**engine_throughput** ({r['max_tokens']} tokens a request, {r.get('rounds', '?')} rounds a path{_batches(r)}, "
         f"{r.get('order', 'paths one after another')}; {_machine(r)}). Target: {r['target']}: "
         f"**{'met' if r['target_met'] else 'not met'}**." + (f" Ratios: {r['ratios']}." if r.get("ratios") else ""),
         "",
