@@ -117,6 +117,18 @@ async def test_transfer_info_that_does_not_fit_the_backend_is_rejected_before_a_
     assert c.round is None, "no round opened, no replica woke"
 
 
+def test_where_the_weight_copy_goes_travels_over_http_and_a_group_without_a_port_is_refused():
+    from pydantic import ValidationError
+
+    from rollout.sync.remote import BeginRoundBody
+
+    request = RoundRequest(tuple(SPECS), "127.0.0.1", 1, copy_group="copy-1", copy_port=2)
+    body = BeginRoundBody.model_validate_json(BeginRoundBody.of(request).model_dump_json())
+    assert body.request() == request
+    with pytest.raises(ValidationError, match="copy_port"):
+        BeginRoundBody(params=list(SPECS), master_address="127.0.0.1", master_port=1, copy_group="copy-1")
+
+
 def test_ipc_handles_never_travel_over_http():
     from rollout.sync.protocol import SyncError
     from rollout.sync.remote import HttpCoordinator
