@@ -33,6 +33,7 @@ WEDGED_GRACE_S = 15.0
 
 _PAUSE_FALLBACK_LOGGED = False
 
+
 async def pause_for_update(engine: Any, mode: str) -> None:
     """vLLM's ``pause_generation(mode, clear_cache=True)`` without its closing 20 ms sleep.
 
@@ -358,7 +359,7 @@ class SyncAgent:
             async with clock("decision"):
                 outcome = await self._report(plan, error)
             self.committed = max(self.committed, outcome.version)
-            finish_error = await self._finished(plan, finishing, clock)
+            finish_error = await self._finished(finishing, clock)
             if outcome.committed and finish_error is None:
                 async with clock("version"):
                     # Tokens are labelled with the engine's version from the resume on.
@@ -388,7 +389,7 @@ class SyncAgent:
         await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version, clock.phases)
         return consistent
 
-    async def _finished(self, plan: RoundPlan, finishing: Optional[asyncio.Future], clock: PhaseClock) -> Optional[str]:
+    async def _finished(self, finishing: Optional[asyncio.Future], clock: PhaseClock) -> Optional[str]:
         """Wait for the finish started before the decision; its error, or None."""
         if finishing is None:
             return None

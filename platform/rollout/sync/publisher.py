@@ -119,7 +119,7 @@ class WeightPublisher:
         tensors = {name: t.detach() for name, t in items}
         specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
         backend = self._platform_backend()
-        self._wait_for_copy()  # the last round's copy uses the sender's buffers and a group of it
+        self.flush()  # one copy at a time, in the order of the commits
         if self._sender is None:
             self._sender = make_sender(backend)
         copy_group, copy_port = self._sender.copy_offer() if get_backend(backend).keeps_copy else ("", 0)
@@ -187,9 +187,6 @@ class WeightPublisher:
     def flush(self) -> None:
         """Block until the coordinator's copy of the last committed version is sent
         (``publish`` returns before; the next ``publish`` and ``close`` wait for it too)."""
-        self._wait_for_copy()
-
-    def _wait_for_copy(self) -> None:
         copy, self._copy = self._copy, None
         if copy is None:
             return
@@ -211,7 +208,7 @@ class WeightPublisher:
     def close(self) -> None:
         """Finish sending the coordinator's copy, then leave the transfer groups (the
         next round forms new ones)."""
-        self._wait_for_copy()
+        self.flush()
         if self._sender is not None:
             self._sender.close()
             self._sender = None
