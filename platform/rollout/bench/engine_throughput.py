@@ -1,22 +1,26 @@
 """Generated tokens/s: bare vLLM ``AsyncLLM`` vs our Serve handle vs our HTTP API.
 
 All three use the same engine arguments, the same Ray CPU reservation and the same
-``SamplingParams``. The bare engine and the platform are up together and take turns, one
-round each (bare, handle, HTTP; the order rotates every round), so drift of the machine
-hits every path alike and no two paths ever share the cores. After a warm-up round of each
-path, ``ROUNDS`` rounds; every round is in the JSON. Every round generates the same
-number of tokens at every concurrency: at 64 concurrent, a round is several batches of 64
-requests, one after another.
+``SamplingParams``. The bare engine and the platform are up together and take turns batch
+by batch (bare, handle, HTTP; the order rotates at every batch), so drift of the machine
+hits every path alike and no two paths ever share the cores. Every batch starts after a
+quiet gap (``QUIET_S``): vLLM's queue readers busy-poll for a second after their last
+message, and a batch started sooner would share the cores with the engine before it (the
+bare engine's after a platform batch, the platform's after a bare one; never the
+platform's own before HTTP after handle). After a warm-up batch of each path, ``ROUNDS``
+rounds; every round is in the JSON. Every round generates the same number of tokens at
+every concurrency: at 64 concurrent, a round is several batches of 64 requests per path.
 
-The ratios are paired: each round of a path over the bare round of the same rotation,
-then the median of those ratios, with a bootstrap 90% interval of that median. On two
-cores a round varies by 15-20% either way; pairing takes out the drift both paths see,
-and the interval says how far a rerun may land.
+The ratios are paired: each round of a path over the bare round of the same batches'
+turns, then the median of those ratios, with a bootstrap 90% interval of that median. On
+two cores the machine's speed drifts by half over tens of seconds; pairing neighbouring
+batches takes out the drift both paths see, and the interval says how far a rerun may land.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import statistics
 import time
 from pathlib import Path
@@ -36,6 +40,9 @@ CONCURRENCY = (64, 256)
 MAX_TOKENS = 128
 ROUNDS = 21
 ROUND_TOKENS = 32768  # generated tokens a round, every concurrency (see batches_per_round)
+# vLLM's shared-memory queue readers busy-poll for a second after their last message
+# (SpinCondition.busy_loop_s): a batch started sooner shares the cores with the engine that ran before it.
+QUIET_S = 1.2
 
 
 def _requests(n: int) -> list[RolloutRequest]:
@@ -78,28 +85,38 @@ def batches_per_round(n: int) -> int:
     return max(1, round(ROUND_TOKENS / (n * MAX_TOKENS)))
 
 
-def _one_round(fn: Callable, n: int) -> tuple[int, float]:
-    tokens = wall = 0.0
-    for _ in range(batches_per_round(n)):
-        t, w = fn(_requests(n))
-        assert t == n * MAX_TOKENS, f"{t} tokens, expected {n * MAX_TOKENS}"
-        tokens, wall = tokens + t, wall + w
-    return int(tokens), wall
-
-
 def _interleaved(fns: dict[str, Callable], n: int, rounds: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
-    """tokens/s of each path over ``rounds`` rounds, paths taking turns (order rotated per
-    round), and each path's median CPU seconds per round by process role."""
+    """tokens/s of each path over ``rounds`` rounds, and each path's median CPU seconds per
+    round by process role.
+
+    The paths take turns batch by batch (the order rotated at every batch), so the batches a
+    round compares ran within seconds of each other: on two cores the machine's speed drifts
+    by half over tens of seconds, and only neighbours see the same machine. Every batch starts
+    after ``QUIET_S`` idle, so none of them shares the cores with the previous batch's
+    engine still busy-polling its queue."""
     names = list(fns)
     for name in names:
         fns[name](_requests(n))  # warm-up
+    batches = batches_per_round(n)
     rates: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[dict[str, float]]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            (tokens, wall), spent = cpu_while(lambda: _one_round(fns[name], n))
-            rates[name].append(round(tokens / wall, 1))
-            cpu[name].append(spent)
+    turn = 0
+    for _ in range(rounds):
+        tokens = dict.fromkeys(names, 0)
+        wall = dict.fromkeys(names, 0.0)
+        spent: dict[str, collections.Counter] = {name: collections.Counter() for name in names}
+        for _ in range(batches):
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                time.sleep(QUIET_S)
+                (t, w), s = cpu_while(lambda: fns[name](_requests(n)))
+                assert t == n * MAX_TOKENS, f"{name}: {t} tokens, expected {n * MAX_TOKENS}"
+                tokens[name] += t
+                wall[name] += w
+                spent[name].update(s)
+            turn += 1
+        for name in names:
+            rates[name].append(round(tokens[name] / wall[name], 1))
+            cpu[name].append(dict(spent[name]))
     medians = {}
     for name, per_round in cpu.items():
         roles = {role for spent in per_round for role in spent}
@@ -158,10 +175,11 @@ def run(model_dir: Path, rounds: int = ROUNDS) -> dict[str, Any]:
         "max_tokens": MAX_TOKENS,
         "rounds": rounds,
         "batches_per_round": {str(n): batches_per_round(n) for n in CONCURRENCY},
-        "order": "interleaved: one round of each path in turn, the order rotated every round",
+        "order": "interleaved: one batch of each path in turn, the order rotated at every batch, each batch after a quiet gap",
+        "quiet_s": QUIET_S,
         "client_batch_size": cfg.deployment.client_batch_size,
         "machine": machine(),
-        "ratios": "paired: the median of each round's path / bare round of the same rotation; vs_bare_interval_90 is a bootstrap interval of that median",
+        "ratios": "paired: the median of each round's path / bare round of the same batches' turns; vs_bare_interval_90 is a bootstrap interval of that median",
         "target": "handle_vs_bare and http_vs_bare >= 0.95 at every concurrency",
         "target_met": all(p["handle_vs_bare"] >= 0.95 and p["http_vs_bare"] >= 0.95 for p in points),
         "points": points,

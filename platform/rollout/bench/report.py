@@ -46,7 +46,7 @@ def _batches(r: dict[str, Any]) -> str:
     per = r.get("batches_per_round")
     if not per:
         return ""
-    return " (a round: " + ", ".join(f"{b} batch{'es' if b > 1 else ''} of {n}" for n, b in per.items()) + ", one after another)"
+    return " (a round: " + ", ".join(f"{b} batch{'es' if b > 1 else ''} of {n}" for n, b in per.items()) + " per path)"
 
 
 def engine_throughput(r: dict[str, Any]) -> list[str]:
