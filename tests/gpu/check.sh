@@ -76,8 +76,11 @@ run() {
     local budget=${1:-1500}
     export PYTHONPATH="$WORK/project:$SITE" PYTHONUNBUFFERED=1
     export ROLLOUT_GPU_WORK="$WORK" ROLLOUT_GPU_MODEL="$WORK/model-1.5b" ROLLOUT_GPU_RESULTS="$RESULTS_DIR/results.json"
-    # Checks not started by then are skipped (and say so), leaving time to bring the results back.
-    export ROLLOUT_GPU_DEADLINE=$(( $(date +%s) + budget - 180 ))
+    # The run ends at ROLLOUT_GPU_END (the timeout below). Checks not started by the deadline are
+    # skipped (and say so): the longest check, the TP=2 replica's start and publish, takes about
+    # five minutes on two H100s, so one started before it still ends within the budget.
+    export ROLLOUT_GPU_END=$(( $(date +%s) + budget ))
+    export ROLLOUT_GPU_DEADLINE=$(( ROLLOUT_GPU_END - 360 ))
     for _ in $(seq 1 120); do [ -f "$WORK/models.done" ] && break; sleep 2; done
     [ -f "$WORK/models.done" ] || models
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$RESULTS_DIR/gpus.txt" 2>&1

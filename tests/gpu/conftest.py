@@ -21,6 +21,10 @@ RESULTS_ENV = "ROLLOUT_GPU_RESULTS"
 # Wall-clock second (epoch) after which checks that have not started are skipped, so a
 # lent machine's stay ends with a results file rather than a killed run.
 DEADLINE_ENV = "ROLLOUT_GPU_DEADLINE"
+# Wall-clock second at which check.sh's timeout stops the run: a check failing then was cut
+# off (the SIGTERM surfaces as SystemExit), which says nothing about what it checks.
+END_ENV = "ROLLOUT_GPU_END"
+CUT_OFF_SLACK_S = 30.0
 
 
 class Record:
@@ -91,6 +95,10 @@ def pytest_runtest_logreport(report):
         if report.skipped:
             entry["outcome"] = "skipped"
             entry["reason"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        elif report.failed and _cut_off():
+            entry["outcome"] = "cut off"
+            entry["reason"] = f"the run's time budget ended during this check ({END_ENV}); no verdict"
+            entry["error"] = _short_error(report)
         elif report.failed:
             entry["outcome"] = "failed" if report.when == "call" else f"error in {report.when}"
             entry["error"] = _short_error(report)
@@ -100,6 +108,11 @@ def pytest_runtest_logreport(report):
     elif report.when == "setup":
         entry["setup_seconds"] = round(report.duration, 1)
     _record.save()
+
+
+def _cut_off() -> bool:
+    end = os.environ.get(END_ENV)
+    return bool(end) and time.time() >= float(end) - CUT_OFF_SLACK_S
 
 
 def _short_error(report) -> str:
