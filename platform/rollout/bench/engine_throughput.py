@@ -79,9 +79,10 @@ class BareEngine:
 
 
 def batches_per_round(n: int) -> int:
-    """Batches of ``n`` concurrent requests a round sends one after another, so that every
-    round generates about ``ROUND_TOKENS``: a round of one small batch lasts about a second,
-    and a burst of background work on two cores moves it far more than a longer one."""
+    """Batches of ``n`` concurrent requests each path runs a round (taking turns with the
+    other paths), so that every round generates about ``ROUND_TOKENS`` per path: a round of
+    one small batch lasts about a second, and a burst of background work on two cores moves
+    it far more than a longer one."""
     return max(1, round(ROUND_TOKENS / (n * MAX_TOKENS)))
 
 
