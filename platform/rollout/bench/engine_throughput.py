@@ -5,9 +5,9 @@ All three use the same engine arguments, the same Ray CPU reservation and the sa
 by batch (bare, handle, HTTP; the order rotates at every batch), so drift of the machine
 hits every path alike and no two paths ever share the cores. Every batch starts after a
 quiet gap (``QUIET_S``): vLLM's queue readers busy-poll for a second after their last
-message, and a batch started sooner would share the cores with the engine before it (the
-bare engine's after a platform batch, the platform's after a bare one; never the
-platform's own before HTTP after handle). After a warm-up batch of each path, ``ROUNDS``
+message, and a batch started sooner would share the cores with the previous batch's engine
+whenever that engine is another one (always for bare, never for HTTP after the handle,
+which share one engine): a bias between the paths. After a warm-up batch of each path, ``ROUNDS``
 rounds; every round is in the JSON. Every round generates the same number of tokens at
 every concurrency: at 64 concurrent, a round is several batches of 64 requests per path.
 
