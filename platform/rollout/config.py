@@ -292,11 +292,44 @@ class SyncConfig(_Section):
         le=8 << 30,
         description="Packed transfer bucket size in bytes, 64 KiB..8 GiB. Two buckets per participant are in flight at once; smaller buckets overlap loading with transfer more finely.",
     )
-    token_env: str = Field(default=SYNC_TOKEN_ENV, description="Environment variable holding the token trainers must present; unset means no token is required (a warning is logged).")
+    token_env: str = Field(default=SYNC_TOKEN_ENV, description="Environment variable holding the token trainers must present (see `require_token` for when they must).")
     allowed_service_accounts: list[str] = Field(
         default_factory=list,
         description="Kubernetes service accounts (`system:serviceaccount:NAMESPACE:NAME`) whose projected token, verified by a TokenReview, may publish instead of the sync token.",
     )
+    require_token: Optional[bool] = Field(
+        default=None,
+        description="Whether publishing, finishing a round and vLLM's RL routes need the sync token (or an allowed service account's token). "
+        "Unset: decided once when the app is built, true where `token_env` is set in that process's environment or `allowed_service_accounts` is given; "
+        "the ingress and the coordinator both follow the decision. True with no token where the coordinator runs refuses every publish.",
+    )
+    token_audience: str = Field(
+        default="rollout-platform",
+        min_length=1,
+        max_length=256,
+        description="The audience a trainer's projected ServiceAccount token must be issued for (its projected volume's `audience`); "
+        "the TokenReview names it, so a token meant for the Kubernetes API server is refused.",
+    )
+
+    @model_validator(mode="after")
+    def _accounts_need_auth(self) -> "SyncConfig":
+        if self.require_token is False and self.allowed_service_accounts:
+            raise ValueError("sync.require_token: false contradicts sync.allowed_service_accounts (service accounts authenticate publishers)")
+        return self
+
+    def token_required(self, environ: Optional[Mapping[str, str]] = None) -> bool:
+        """The one place that decides whether weight sync needs a credential besides the API key.
+
+        A built app carries the decision in ``require_token`` (see :meth:`resolved`), so the
+        ingress and the coordinator, which may run with different environments, agree."""
+        if self.require_token is not None:
+            return self.require_token
+        env = os.environ if environ is None else environ
+        return bool(env.get(self.token_env)) or bool(self.allowed_service_accounts)
+
+    def resolved(self, environ: Optional[Mapping[str, str]] = None) -> "SyncConfig":
+        """This section with ``require_token`` decided (from ``environ`` when unset)."""
+        return self.model_copy(update={"require_token": self.token_required(environ)})
 
 
 def _check_functions(where: str, functions: dict[str, str], builtins: Any, kind: str) -> None:
@@ -340,13 +373,25 @@ class EpisodesConfig(_Section):
 
 
 class PythonToolConfig(_Section):
-    """Limits of the built-in `python` tool: each call runs in a child process of its own,
-    with no network, no new processes, and writes only inside a temporary directory."""
+    """The built-in `python` tool: each call runs under bubblewrap in namespaces of its own
+    (user, mount, PID, network, IPC, UTS), as an unprivileged user on a read-only root,
+    with a seccomp filter, a size-capped private working directory and cgroup limits where
+    the host offers them. A replica whose tool workers cannot build that sandbox refuses to
+    start, saying what is missing; there is no weaker mode."""
 
+    enabled: bool = Field(default=True, description="Offer the `python` tool. When false, the tool is not registered and no sandbox is needed.")
     wall_time_s: float = Field(default=10.0, gt=0, le=600, description="Seconds a call may run, (0, 600]; then its processes are killed.")
     cpu_time_s: int = Field(default=5, ge=1, le=600, description="CPU seconds a call may use, 1..600.")
-    memory_mb: int = Field(default=512, ge=64, le=65536, description="Address space of a call in MiB, 64..65536; past it, allocations fail (MemoryError).")
-    file_mb: int = Field(default=16, ge=1, le=4096, description="Largest file (and printed output) a call may write, in MiB, 1..4096.")
+    memory_mb: int = Field(default=512, ge=64, le=65536, description="Address space of a call in MiB, 64..65536; past it, allocations fail (MemoryError). Also the call's cgroup memory limit where cgroups are offered.")
+    file_mb: int = Field(default=16, ge=1, le=4096, description="Largest file a call may write, in MiB, 1..4096.")
+    disk_mb: int = Field(default=64, ge=1, le=65536, description="Size of the call's private working directory (a tmpfs), in MiB, 1..65536.")
+    max_processes: int = Field(default=16, ge=1, le=4096, description="Processes and threads a call may have at once, 1..4096.")
+    bwrap: str = Field(default="bwrap", description="The bubblewrap executable (a name on PATH or an absolute path).")
+    cgroups: Literal["auto", "required", "off"] = Field(
+        default="auto",
+        description="cgroup limits on memory (tmpfs and memfd included), processes and CPU per call: `auto` uses cgroup v2 or v1 where the tool worker may "
+        "create groups and says which, `required` refuses to start without them, `off` relies on the rlimits alone.",
+    )
 
 
 class ToolsConfig(_Section):
@@ -363,7 +408,12 @@ class ToolsConfig(_Section):
     timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Most seconds one call may take, (0, 3600]; past it the call fails and its worker restarts.")
     output_chars: int = Field(default=4000, ge=100, le=1_000_000, description="Characters of a call's output the model reads back at most, 100..1000000.")
     max_calls_per_episode: int = Field(default=32, ge=0, le=10_000, description="Tool calls one episode may run at most, 0..10000 (an episode may ask for fewer).")
-    python: PythonToolConfig = Field(default_factory=PythonToolConfig, description="Limits of the built-in `python` tool.")
+    python: PythonToolConfig = Field(default_factory=PythonToolConfig, description="The built-in `python` tool and its sandbox.")
+    worker_resource: Optional[str] = Field(
+        default=None,
+        description="A Ray custom resource the tool workers ask for (a tiny share each), so they run only on nodes that offer it: the chart's hardened tool "
+        "worker group. None: anywhere in the cluster.",
+    )
 
     @model_validator(mode="after")
     def _names(self) -> "ToolsConfig":

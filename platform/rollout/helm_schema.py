@@ -83,6 +83,51 @@ def _switch(description: str, extra: dict[str, Any] | None = None) -> dict[str, 
     return _section(description, {"enabled": {"type": "boolean"}, **(extra or {})})
 
 
+_PORT: dict[str, Any] = {"type": "integer", "minimum": 1, "maximum": 65535}
+# A Ray custom resource name as `ray start --resources` accepts it (and no quotes, which
+# would break the shell-quoted JSON KubeRay passes).
+_RAY_RESOURCE: dict[str, Any] = {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_.-]*$"}
+
+
+def _tool_workers() -> dict[str, Any]:
+    seccomp = _section(
+        "Pod seccomp profile; bubblewrap needs unshare/clone/mount, which RuntimeDefault denies without CAP_SYS_ADMIN.",
+        {"type": {"enum": ["RuntimeDefault", "Localhost", "Unconfined"]}, "localhostProfile": {"type": "string"}},
+        required=["type"],
+    )
+    return _group(
+        "The hardened Ray worker group that runs tool calls (docs/kubernetes-tool-sandbox.md).",
+        {
+            "enabled": {"type": "boolean"},
+            "resource": _RAY_RESOURCE,
+            "resourceAmount": {"type": "integer", "minimum": 1},
+            "replicas": {"type": "integer", "minimum": 0},
+            "minReplicas": {"type": "integer", "minimum": 0},
+            "maxReplicas": {"type": "integer", "minimum": 0},
+            "idleTimeoutSeconds": {"type": "integer", "minimum": 0},
+            "objectStoreBytes": {"type": "integer", "minimum": 78643200},
+            "shmSize": {"type": "string"},
+            "podSecurityContext": {
+                "type": "object",
+                "description": "Pod securityContext; a fixed non-root user is required.",
+                "properties": {
+                    "runAsNonRoot": {"const": True},
+                    "runAsUser": {"type": "integer", "minimum": 1},
+                },
+                "required": ["runAsNonRoot", "runAsUser"],
+            },
+            "seccompProfile": seccomp,
+            "procMount": {"enum": [None, "Default", "Unmasked"]},
+            "hostUsers": {"type": ["boolean", "null"]},
+            "runtimeClassName": {"type": "string"},
+            "networkPolicy": _switch(
+                "NetworkPolicy of the tool pods: Ray traffic within the release and DNS only.",
+                {"dnsPeers": _LIST, "allowMetricsScrape": {"type": "boolean"}},
+            ),
+        },
+    )
+
+
 def chart_properties() -> dict[str, Any]:
     """Schemas of the chart's own (non-platform) values."""
     return {
@@ -141,6 +186,21 @@ def chart_properties() -> dict[str, Any]:
                 "apiKeyKey": {"type": "string", "minLength": 1},
                 "syncTokenKey": {"type": "string", "minLength": 1},
             },
+        ),
+        "auth": _section(
+            "Whether the chart refuses to render without an API key and sync token source.",
+            {"required": {"type": "boolean", "description": "true: fail unless secrets.create or secrets.existingSecret; false: allow an unauthenticated API."}},
+        ),
+        "toolWorkers": _tool_workers(),
+        "rayPorts": _section(
+            "Ray ports pinned on every pod while toolWorkers is enabled (the tool NetworkPolicy names them).",
+            {
+                "nodeManager": _PORT,
+                "objectManager": _PORT,
+                "minWorker": _PORT,
+                "maxWorker": _PORT,
+            },
+            required=["nodeManager", "objectManager", "minWorker", "maxWorker"],
         ),
         "service": _section(
             "The Serve HTTP service trainers call.",

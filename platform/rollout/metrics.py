@@ -50,6 +50,10 @@ class EngineMetrics:
         # Tool names come from the platform's registry (tools.functions and the built-ins), never from requests.
         self.tool_calls = m.Counter("rollout_tool_calls", "Tool calls of episodes by tool and outcome.", tag_keys=tags + ("tool", "outcome"))
         self.tool_seconds = m.Histogram("rollout_tool_call_seconds", "Time of a tool call, queueing for a worker included.", boundaries=TOOL_BUCKETS, tag_keys=tags + ("tool",))
+        # 1 for the isolation the replica's python tool runs under ("none": no python tool);
+        # the label is one of a few fixed spellings (rollout.tools.sandbox.Isolation.label).
+        self.sandbox = m.Gauge("rollout_tool_sandbox", "Isolation of the replica's python tool calls (1 for the one in force).", tag_keys=tags + ("isolation",))
+        self._sandbox_label: Optional[str] = None
 
     def request(self, outcome: str, n: int = 1) -> None:
         if outcome not in REQUEST_OUTCOMES:
@@ -61,6 +65,10 @@ class EngineMetrics:
         tags = {**self._tags, "tool": tool}
         self.tool_calls.inc(1, tags={**tags, "outcome": "ok" if ok else "error"})
         self.tool_seconds.observe(seconds, tags=tags)
+
+    def tool_sandbox(self, label: str) -> None:
+        self._sandbox_label = label
+        self.sandbox.set(1, tags={**self._tags, "isolation": label})
 
     def served(self, prompt_tokens: int, generated_tokens: int, latency_s: float) -> None:
         # Ray counters reject increments of 0.
@@ -90,6 +98,8 @@ class EngineMetrics:
         ):
             if value is not None:
                 gauge.set(value, tags=self._tags)
+        if self._sandbox_label is not None:  # re-reported with the others, or Ray ages it out
+            self.sandbox.set(1, tags={**self._tags, "isolation": self._sandbox_label})
 
 
 class SyncMetrics:

@@ -52,6 +52,7 @@ class ReplicaRow:
     load: ReplicaLoad  # what the replica's own gauges say
     lag: Optional[int] = None  # versions behind the committed one, from the coordinator's gauge (None: not reported)
     tokens_per_s: float = 0.0  # from two reads of the generated-tokens counter
+    sandbox: Optional[str] = None  # the python tool's isolation (rollout_tool_sandbox's label; None: not reported)
 
 
 def _cell(value: Optional[Any], width: int, spec: str = "") -> str:
@@ -82,13 +83,13 @@ class Summary:
             f"replicas                  {len(self.replicas)} reporting, {_known(self.registered)} registered for sync",
             f"generated tokens/s        {self.tokens_per_s:,.0f}",
             "",
-            f"{'replica':<12} {'version':>7} {'lag':>4} {'running':>8} {'waiting':>8} {'KV use':>7} {'tok/s':>9}",
+            f"{'replica':<12} {'version':>7} {'lag':>4} {'running':>8} {'waiting':>8} {'KV use':>7} {'tok/s':>9}  python tool sandbox",
         ]
         for r in sorted(self.replicas.values(), key=lambda r: r.load.replica_id):
             load = r.load
             lines.append(
                 f"{load.replica_id:<12} {_cell(load.weight_version, 7)} {_cell(r.lag, 4)} {_cell(load.running, 8)} "
-                f"{_cell(load.waiting, 8)} {_cell(load.kv_cache_usage, 6, '.1%')} {r.tokens_per_s:>9,.0f}"
+                f"{_cell(load.waiting, 8)} {_cell(load.kv_cache_usage, 6, '.1%')} {r.tokens_per_s:>9,.0f}  {r.sandbox or '-'}"
             )
         return "\n".join(lines)
 
@@ -99,6 +100,11 @@ def _by_replica(samples, name: str) -> dict[str, float]:
         if "replica" in labels:
             out[labels["replica"]] += value
     return out
+
+
+def sandboxes(samples) -> dict[str, str]:
+    """Each replica's python tool isolation, from the label of its rollout_tool_sandbox gauge."""
+    return {labels["replica"]: labels["isolation"] for labels, value in samples.get("ray_rollout_tool_sandbox", []) if value == 1 and "replica" in labels and "isolation" in labels}
 
 
 def replica_loads(samples) -> dict[str, ReplicaLoad]:
@@ -119,9 +125,10 @@ def summarize(url: str, interval_s: float = 2.0) -> Summary:
     before = _by_replica(first, "ray_rollout_generated_tokens_total")
     after = _by_replica(second, "ray_rollout_generated_tokens_total")
     lags = _by_replica(second, "ray_rollout_weight_version_lag")
+    isolation = sandboxes(second)
     for rid, load in replica_loads(second).items():
         tokens = max(0.0, after.get(rid, 0.0) - before.get(rid, 0.0))
         lag = lags.get(rid)
-        s.replicas[rid] = ReplicaRow(load=load, lag=None if lag is None else int(lag), tokens_per_s=tokens / interval_s)
+        s.replicas[rid] = ReplicaRow(load=load, lag=None if lag is None else int(lag), tokens_per_s=tokens / interval_s, sandbox=isolation.get(rid))
     s.tokens_per_s = sum(r.tokens_per_s for r in s.replicas.values())
     return s

@@ -113,8 +113,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- div (add .n (sub $rpp 1)) $rpp -}}
 {{- end -}}
 
-{{/* Env shared by every Ray container: secrets by reference, writable dirs under /tmp. */}}
-{{- define "rollout.env" -}}
+{{/* Whether the pods get the API key and sync token: a Secret source is configured. Without
+one, _validate.tpl has already failed unless auth.required is false. */}}
+{{- define "rollout.hasSecret" -}}
+{{- if or .Values.secrets.create .Values.secrets.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{/* Credentials, by reference: head and engine workers only, never the tool workers. */}}
+{{- define "rollout.secretEnv" -}}
+{{- if include "rollout.hasSecret" . -}}
 - name: ROLLOUT_API_KEY
   valueFrom:
     secretKeyRef:
@@ -126,11 +133,23 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     secretKeyRef:
       name: {{ include "rollout.secretName" . }}
       key: {{ .Values.secrets.syncTokenKey }}
-# The root filesystem is read-only: caches (HF, vLLM, Triton, torch) go to /tmp.
+{{- end -}}
+{{- end -}}
+
+{{/* The root filesystem is read-only: caches (HF, vLLM, Triton, torch) go to /tmp. */}}
+{{- define "rollout.runtimeEnv" -}}
 - name: HOME
   value: /tmp/home
 - name: XDG_CACHE_HOME
   value: /tmp/cache
+{{- end -}}
+
+{{/* Env of the head and engine worker containers: secrets by reference, writable dirs under /tmp. */}}
+{{- define "rollout.env" -}}
+{{- with include "rollout.secretEnv" . }}
+{{ . }}
+{{- end }}
+{{ include "rollout.runtimeEnv" . }}
 {{- end -}}
 
 {{- define "rollout.containerSecurityContext" -}}
@@ -176,4 +195,35 @@ pod) then needs a token of its own allowed to create TokenReviews. */}}
 
 {{- define "rollout.syncServiceAccount" -}}
 {{ include "rollout.fullname" . }}-sync
+{{- end -}}
+
+{{/* The hardened tool worker group (values toolWorkers). */}}
+{{- define "rollout.toolsEnabled" -}}
+{{- if .Values.toolWorkers.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* Ray custom resource offered by the head and the engine workers, and asked for by the
+Serve deployments that take no CPU (the HTTP ingress, the weight-sync coordinator): they
+read the API key and sync token from their node's env, so they must never be placed on a
+tool worker, which Ray would otherwise allow (a 0-CPU actor fits anywhere). */}}
+{{- define "rollout.serveResource" -}}rollout_serve{{- end -}}
+
+{{/* A rayStartParams `resources` value: KubeRay pastes it into a shell command, so the JSON
+is itself quoted, the form of KubeRay's samples: "{\"name\": 1000}". */}}
+{{- define "rollout.rayResources" -}}
+{{- printf "\"%s\"" (toJson . | replace "\"" "\\\"") -}}
+{{- end -}}
+
+{{/* rayStartParams the chart pins on every group while tool workers are on (see rayPorts). */}}
+{{- define "rollout.pinnedRayParams" -}}
+{{- if include "rollout.toolsEnabled" . -}}
+{{- $p := .Values.rayPorts -}}
+{{- dict "node-manager-port" (toString $p.nodeManager) "object-manager-port" (toString $p.objectManager) "min-worker-port" (toString $p.minWorker) "max-worker-port" (toString $p.maxWorker) | toJson -}}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}
+
+{{- define "rollout.toolsServiceAccount" -}}
+{{ include "rollout.fullname" . }}-tools
 {{- end -}}

@@ -28,13 +28,14 @@ from rollout.api import (
     Trajectory,
     TurnResult,
 )
-from rollout.config import PlatformConfig
+from rollout.config import API_KEY_ENV, PlatformConfig
 from rollout.episodes import EpisodeState, EpisodeStore, episode_id_for, render_after_model_turn, render_initial
 from rollout.errors import InvalidRequestError
 from rollout.rewards import RewardScorer
 from rollout.tools import Tool, ToolRegistry
 from rollout.tools.calling import ParsedCall, ToolCalling, TurnPlan
 from rollout.tools.pool import ToolPool
+from rollout.tools.sandbox import Isolation
 
 Sampler = Callable[[RolloutRequest, Optional[TurnPlan]], Awaitable[Sample]]
 
@@ -51,10 +52,15 @@ class EpisodeService:
         self.max_model_len = max_model_len
         self._sample = sample
         self.store = EpisodeStore(config.episodes.max_per_replica, config.episodes.idle_expiry_s)
-        self.tools = ToolRegistry(config.tools.functions)  # imports tools.functions: a bad path fails the start
-        self.pool = ToolPool.from_config(config.tools)
+        self.tools = ToolRegistry(config.tools.functions, python=config.tools.python.enabled)  # imports tools.functions: a bad path fails the start
+        self.pool = ToolPool.from_config(config.tools, secret_env=(API_KEY_ENV, config.sync.token_env))
         parser = config.openai.tool_call_parser
         self.calling = ToolCalling(tokenizer, parser, config.openai.reasoning_parser) if parser else None
+
+    async def start_tools(self) -> Optional[Isolation]:
+        """Start the tool workers and check the python tool's sandbox on each: a replica
+        whose workers cannot build it refuses to start (SandboxUnavailable says why)."""
+        return await self.pool.start()
 
     def start(self, start: EpisodeStart) -> EpisodeStarted:
         cap = self.config.episodes.max_turns

@@ -120,6 +120,11 @@ class RolloutEngine:
 
         # Imports tools.functions: a bad path fails the start.
         self.episodes = EpisodeService(self.config, self.tokenizer, self.replica_id, self.limits.max_model_len, self._sample_in_episode, self.rewards, self.metrics)
+        # Fail closed: a replica whose tool workers cannot build the python tool's sandbox
+        # does not start (SandboxUnavailable names what is missing and the setting to change).
+        self.tool_isolation = await self.episodes.start_tools()
+        if self.metrics is not None:
+            self.metrics.tool_sandbox(self.tool_isolation.label if self.tool_isolation else "none")
         self.inflight = 0
         # When the current run of in-flight requests began: the stuck check counts from
         # here, not from the engine's last step (which, for the first requests after a

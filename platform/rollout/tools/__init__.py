@@ -85,8 +85,9 @@ def call_tool(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
 class ToolRegistry:
     """The tools of one platform: the built-ins and ``tools.functions``."""
 
-    def __init__(self, functions: dict[str, str]):
-        self.tools = {name: Tool.load(name, path) for name, path in {**BUILTIN_PATHS, **functions}.items()}
+    def __init__(self, functions: dict[str, str], python: bool = True):
+        builtins = {k: v for k, v in BUILTIN_PATHS.items() if python or k != "python"}  # tools.python.enabled
+        self.tools = {name: Tool.load(name, path) for name, path in {**builtins, **functions}.items()}
 
     def offered(self, names: Sequence[str]) -> list[Tool]:
         """The tools an episode names; InvalidRequestError names ``tools[i]`` when unknown."""

@@ -1,35 +1,40 @@
 """The ``python`` built-in tool (``calculator`` is :func:`rollout.tools.calculator.calculator`).
 
-It runs inside a tool worker (:class:`rollout.tools.pool.ToolWorker`), which sets the
-sandbox limits from ``tools.python`` when it starts.
+It runs inside a tool worker (:class:`rollout.tools.pool.ToolWorker`), which builds the
+sandbox from ``tools.python`` when it starts. Where the sandbox cannot be built, the
+worker keeps the reason: every call fails with it (and the replica, which asks each
+worker first, refuses to start), so no call ever runs unsandboxed.
 """
 
 from __future__ import annotations
 
-import logging
+from typing import Optional
 
-from rollout.tools.sandbox import SandboxLimits, run_python
+from rollout.tools.sandbox import Isolation, Sandbox, SandboxLimits, SandboxUnavailable
 
-logger = logging.getLogger(__name__)
-_limits = SandboxLimits()
-_told_isolation = False  # the isolation is said once per worker
+_sandbox: Optional[Sandbox] = None
+_unavailable: Optional[str] = "the python tool's sandbox was not configured in this process"
 
 
-def configure(limits: SandboxLimits) -> None:
-    """Set the sandbox limits of this process's ``python`` calls (a worker does, once)."""
-    global _limits
-    _limits = limits
+def configure(limits: SandboxLimits, bwrap: str = "bwrap", cgroup_mode: str = "auto") -> None:
+    """Build this process's sandbox (a worker does, once); a failure is kept, not raised."""
+    global _sandbox, _unavailable
+    try:
+        _sandbox, _unavailable = Sandbox(limits, bwrap, cgroup_mode), None
+    except SandboxUnavailable as e:
+        _sandbox, _unavailable = None, str(e)
+
+
+def isolation() -> Isolation:
+    """What this process's sandbox gives; SandboxUnavailable says why there is none."""
+    if _sandbox is None:
+        raise SandboxUnavailable(_unavailable)
+    return _sandbox.isolation
 
 
 def python(code: str) -> str:
-    """Run Python code in a sandbox (no network, no new processes, a temporary working
-    directory, limited time and memory) and return what it printed."""
-    result = run_python(code, _limits)
-    global _told_isolation
-    if not _told_isolation and result.isolation is not None:
-        _told_isolation = True
-        if result.isolation == "audit":
-            logger.warning("python tool: this kernel allows no network namespace; the audit hook alone refuses network access")
-        else:
-            logger.info("python tool: each call runs in a network namespace of its own")
-    return result.text()
+    """Run Python code in a sandbox (no network, no new privileges, a private temporary
+    working directory, limited time and memory) and return what it printed."""
+    if _sandbox is None:
+        raise SandboxUnavailable(_unavailable)
+    return _sandbox.run(code).text()

@@ -1,10 +1,17 @@
 """Tool calls run on a pool of Ray actors, never on a replica's event loop.
 
-Each replica starts its pool on the first tool call (``tools.workers`` actors, no CPU
-reserved: they mostly wait on a sandboxed child). A worker runs one call at a time; a
-call waits for an idle worker. A call past ``tools.timeout_s`` gets an error output and
-its worker is killed (Ray starts it again), so a tool stuck in native code cannot hold
-the pool. Whatever a tool does, the model gets text back: its output, or the error.
+Each replica starts its pool when it starts (``tools.workers`` actors, no CPU reserved:
+they mostly wait on a sandboxed child) and asks every worker what its ``python`` sandbox
+gives; a worker that cannot build one fails the replica's start with the reason. A
+worker runs one call at a time; a call waits for an idle worker. A call past
+``tools.timeout_s`` gets an error output and its worker is killed (Ray starts it again),
+so a tool stuck in native code cannot hold the pool. Whatever a tool does, the model gets
+text back: its output, or the error.
+
+Workers start with the platform's secrets (``ROLLOUT_API_KEY``, the sync token) blanked
+in their environment by the actor's runtime environment, so neither a tool nor anything
+that escapes a tool finds them there; with ``tools.worker_resource`` they run only on
+nodes offering that resource (the chart's hardened tool worker group).
 """
 
 from __future__ import annotations
@@ -12,13 +19,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from rollout.tools import call_tool
-from rollout.tools.sandbox import SandboxLimits
+from rollout.tools.sandbox import Isolation, SandboxLimits, SandboxUnavailable
 
 logger = logging.getLogger(__name__)
+
+
+# A worker's share of ``tools.worker_resource``: small, so a node offering it hosts many.
+RESOURCE_SHARE = 0.001
 
 
 @dataclass(frozen=True)
@@ -27,15 +38,45 @@ class ToolOutcome:
     error: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class SandboxReport:
+    """A worker's answer to "what does your python sandbox give?": one of the two."""
+
+    isolation: Optional[Isolation] = None
+    unavailable: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class PythonSandboxSpec:
+    """How a worker builds its ``python`` sandbox (None in the pool: no python tool)."""
+
+    limits: SandboxLimits
+    bwrap: str = "bwrap"
+    cgroups: str = "auto"
+
+
 class ToolWorker:
     """A Ray actor that runs tool calls (see :class:`ToolPool`)."""
 
-    def __init__(self, sandbox: dict[str, Any], output_chars: int):
+    def __init__(self, python: Optional[PythonSandboxSpec], output_chars: int, secret_env: tuple[str, ...] = ()):
+        import os
+
         from rollout.tools import builtins
 
-        builtins.configure(SandboxLimits(**sandbox))
+        for name in secret_env:  # blanked by the runtime environment; gone from os.environ too
+            os.environ.pop(name, None)
+        if python is not None:
+            builtins.configure(python.limits, python.bwrap, python.cgroups)
         self.output_chars = output_chars
         self._functions: dict[str, Any] = {}
+
+    def sandbox(self) -> SandboxReport:
+        from rollout.tools import builtins
+
+        try:
+            return SandboxReport(isolation=builtins.isolation())
+        except SandboxUnavailable as e:
+            return SandboxReport(unavailable=str(e))
 
     def run(self, path: str, arguments: str) -> ToolOutcome:
         from rollout.rewards import import_function
@@ -71,29 +112,76 @@ def _failed(error: str) -> ToolOutcome:
 class ToolPool:
     """One replica's tool workers."""
 
-    def __init__(self, workers: int, timeout_s: float, sandbox: SandboxLimits, output_chars: int):
+    def __init__(
+        self,
+        workers: int,
+        timeout_s: float,
+        python: Optional[PythonSandboxSpec],
+        output_chars: int,
+        secret_env: tuple[str, ...] = (),
+        resource: Optional[str] = None,
+    ):
         self.size = workers
         self.timeout_s = timeout_s
-        self._init = (asdict(sandbox), output_chars)
+        self.python = python
+        self.output_chars = output_chars
+        self.secret_env = tuple(secret_env)
+        self.resource = resource
         self._idle: Optional[asyncio.Queue] = None
+        self._workers: list[Any] = []
+        self.isolation: Optional[Isolation] = None  # the python sandbox, once start() has checked it
 
     @classmethod
-    def from_config(cls, cfg) -> "ToolPool":
+    def from_config(cls, cfg, secret_env: tuple[str, ...] = ()) -> "ToolPool":
         p = cfg.python
-        limits = SandboxLimits(
-            wall_time_s=p.wall_time_s, cpu_time_s=p.cpu_time_s, memory_bytes=p.memory_mb << 20, file_bytes=p.file_mb << 20, output_chars=cfg.output_chars
-        )
-        return cls(cfg.workers, cfg.timeout_s, limits, cfg.output_chars)
+        python = None
+        if p.enabled:
+            limits = SandboxLimits(
+                wall_time_s=p.wall_time_s,
+                cpu_time_s=p.cpu_time_s,
+                memory_bytes=p.memory_mb << 20,
+                file_bytes=p.file_mb << 20,
+                disk_bytes=p.disk_mb << 20,
+                max_processes=p.max_processes,
+                output_chars=cfg.output_chars,
+            )
+            python = PythonSandboxSpec(limits, p.bwrap, p.cgroups)
+        return cls(cfg.workers, cfg.timeout_s, python, cfg.output_chars, secret_env, cfg.worker_resource)
 
     def _start(self) -> asyncio.Queue:
         import ray
 
-        actor = ray.remote(ToolWorker).options(num_cpus=0, max_restarts=-1, max_task_retries=0)
+        options: dict[str, Any] = dict(num_cpus=0, max_restarts=-1, max_task_retries=0)
+        # Blank, not unset: Ray merges a runtime environment's variables into the one the
+        # worker process is started with, so these are empty from its first instruction.
+        options["runtime_env"] = {"env_vars": {name: "" for name in self.secret_env}}
+        if self.resource:
+            options["resources"] = {self.resource: RESOURCE_SHARE}
+        actor = ray.remote(ToolWorker).options(**options)
         idle: asyncio.Queue = asyncio.Queue()
-        for _ in range(self.size):
-            idle.put_nowait(actor.remote(*self._init))
-        logger.info("started %d tool workers", self.size)
+        self._workers = [actor.remote(self.python, self.output_chars, self.secret_env) for _ in range(self.size)]
+        for w in self._workers:
+            idle.put_nowait(w)
+        logger.info("started %d tool workers%s", self.size, f" on nodes offering {self.resource!r}" if self.resource else "")
         return idle
+
+    async def start(self) -> Optional[Isolation]:
+        """Start the workers and, with the python tool on, check every worker's sandbox:
+        SandboxUnavailable (the first worker's reason) when any cannot build one."""
+        if self._idle is None:
+            self._idle = self._start()
+        if self.python is None:
+            return None
+        reports: list[SandboxReport] = await asyncio.gather(*(w.sandbox.remote() for w in self._workers))
+        for r in reports:
+            if r.unavailable is not None:
+                raise SandboxUnavailable(f"the python tool cannot start: {r.unavailable}")
+        kinds = {r.isolation for r in reports}
+        if len(kinds) > 1:
+            logger.warning("tool workers differ in their sandboxes: %s", "; ".join(sorted(k.describe() for k in kinds)))
+        self.isolation = reports[0].isolation
+        logger.info("python tool sandbox: %s", self.isolation.describe())
+        return self.isolation
 
     async def run(self, path: str, arguments: str) -> ToolOutcome:
         import ray

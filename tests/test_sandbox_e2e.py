@@ -1,0 +1,171 @@
+"""The python tool's sandbox attacked as a policy would: through the public episode API.
+
+Each test forces the model to call ``python`` with an attack (the tools e2e's way: a
+turn whose structured output is exactly the call), so the code goes the whole way
+— vLLM's parser, the replica, a Ray tool worker, bubblewrap — and then checks from the
+host that nothing escaped: no canary secret in any output or trajectory, no file
+outside, no connection to a listener on loopback, no process left behind, the tool
+workers alive, and the replica serving the next request. One class of escape a test
+(the classes the audit-hook sandbox fell to)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import uuid
+
+import psutil
+import pytest
+
+from rollout.api import RolloutRequest, SamplingConfig, StructuredOutputs
+from tests.conftest import API_KEY, METRICS_PORT, SYNC_TOKEN, wait_until
+from tests.test_tools_e2e import OPENING
+
+pytestmark = pytest.mark.e2e
+
+CANARIES = (API_KEY, SYNC_TOKEN)
+
+
+def forced(code: str) -> SamplingConfig:
+    text = "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+    return SamplingConfig(max_tokens=440, structured_outputs=StructuredOutputs(choice=[text]), seed=1)
+
+
+async def run_python(client, code: str):
+    """The tool call's result, after checking no canary is in it or in the trajectory."""
+    episode = await client.start_episode(OPENING, tools=["python"])
+    turn = await episode.turn(sampling=forced(code))
+    traj = await episode.end()
+    (result,) = turn.tool_calls
+    assert result.name == "python" and json.loads(result.arguments) == {"code": code}, "the call ran as forced"
+    seen = result.output + traj.model_dump_json()
+    for canary in CANARIES:
+        assert canary not in seen, f"a secret reached the model: {result.output[:500]}"
+    return result
+
+
+def tool_workers() -> dict[int, psutil.Process]:
+    return {p.pid: p for p in psutil.process_iter(["cmdline"]) if "ToolWorker" in " ".join(p.info["cmdline"] or [])}
+
+
+async def assert_the_platform_serves_on(client):
+    (r,) = await client.generate([RolloutRequest(prompt_token_ids=[5, 6, 7], sampling=SamplingConfig(max_tokens=8, ignore_eos=True))])
+    assert len(r.samples[0].token_ids) == 8, "the replica serves on"
+    ok = await run_python(client, "print(6*7)")
+    assert ok.output == "42\n", ok.output
+
+
+async def test_the_replica_reports_its_tools_isolation_in_metrics_and_status(handle_client, platform):
+    from rollout.status import sandboxes, scrape
+
+    await run_python(handle_client, "print(1)")
+    url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    labels = await wait_until(lambda: _async(lambda: set(sandboxes(scrape(url)).values())), timeout_s=60)
+    (label,) = labels
+    assert label.startswith("bubblewrap+seccomp+cgroup-"), label
+
+
+async def _async(fn):
+    return await asyncio.to_thread(fn)
+
+
+async def test_the_tool_workers_hold_no_secret_and_the_sandbox_gets_an_empty_environment(handle_client):
+    result = await run_python(
+        handle_client,
+        # (printed compactly: the test platform clips tool output to 300 characters)
+        "import os,glob\nn=0\nfor p in glob.glob('/proc/*/environ')+glob.glob('/proc/*/cmdline'):\n try:d=open(p,'rb').read();n+=1;'ROLLOUT' in str(d) and print('FOUND',p)\n"
+        " except OSError:pass\nprint(n,sorted(os.environ))",
+    )
+    assert "FOUND" not in result.output and "ROLLOUT" not in result.output and "'PATH'" in result.output, result.output
+    assert int(result.output.split()[0]) >= 4, "the environments of the sandbox's own processes were read"
+    workers = tool_workers()
+    assert workers, "the tool workers run on this host"
+    for pid in workers:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+        assert SYNC_TOKEN.encode() not in environ and API_KEY.encode() not in environ, f"tool worker {pid} holds a secret in its environment"
+
+
+async def test_no_connection_reaches_a_listener_on_loopback(handle_client, base_url):
+    import ray
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    gcs_port = int(ray.get_runtime_context().gcs_address.rsplit(":", 1)[1])
+    ports = [listener.getsockname()[1], int(base_url.rsplit(":", 1)[1]), METRICS_PORT, gcs_port]
+    try:
+        result = await run_python(handle_client, f"import socket\nfor p in {ports}:\n try:socket.create_connection(('127.0.0.1',p),timeout=1);print(p,'open')\n except OSError as e:print(p,e.errno)")
+        assert "open" not in result.output and result.output.count("111") == len(ports), result.output  # ECONNREFUSED: a loopback of its own
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+async def test_native_code_runs_inside_and_leaves_no_process_behind(handle_client, tmp_path):
+    mark = f"orphan-{uuid.uuid4().hex[:8]}"
+    result = await run_python(
+        handle_client,
+        "import cffi,os\nf=cffi.FFI();f.cdef('int system(const char*);')\nC=f.dlopen(None)\n"
+        f"C.system(b'id -u;hostname;touch {tmp_path}/x 2>&1')\n"
+        f"if os.fork()==0:\n os.setsid()\n if os.fork()==0:os.execv('/bin/sleep',['{mark}','300'])\nprint('forked')",
+    )
+    assert result.output.startswith("65534\nsandbox\n") and "forked" in result.output, result.output
+    assert not (tmp_path / "x").exists()
+    await asyncio.sleep(0.5)
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if mark in " ".join(p.info["cmdline"] or [])]
+    assert left == [], "a process the call started outlived it"
+
+
+async def test_writes_through_relative_forms_reach_nothing_outside(handle_client):
+    rel = f"escape-{uuid.uuid4().hex[:8]}"  # at the root of the host, where an escape would land
+    try:
+        result = await run_python(
+            handle_client,
+            f"import os\nd=os.open('/',os.O_RDONLY);T={rel!r}\n"
+            "for f in (lambda:os.mkdir(T,dir_fd=d),lambda:os.open(T,os.O_CREAT|os.O_WRONLY,dir_fd=d),lambda:os.symlink('/tmp',T,dir_fd=d),"
+            "lambda:os.mkfifo(T,dir_fd=d),lambda:os.link('/sandbox/main.py',T,dst_dir_fd=d),lambda:os.rename('/sandbox/main.py',T,dst_dir_fd=d)):\n"
+            " try:f();print('did')\n except OSError as e:print(e.errno)",
+        )
+        assert "did" not in result.output and result.output.count("30") >= 5, result.output  # EROFS
+        assert not os.path.lexists("/" + rel)
+    finally:
+        if os.path.lexists("/" + rel):
+            os.system(f"rm -rf /{rel}")
+
+
+async def test_the_output_is_never_read_back_from_files_the_code_controls(handle_client):
+    result = await run_python(handle_client, "import os\nos.symlink('/proc/1/environ','.stdout')\nos.symlink('/proc/1/environ','.isolation')\nos.mkfifo('.stderr')\nprint('ok')")
+    assert result.output == "ok\n", result.output
+
+
+async def test_harm_to_the_host_stays_inside(handle_client, platform):
+    before = set(tool_workers())
+    result = await run_python(
+        handle_client,
+        "import os\nfor p in range(2,5000):\n try:p!=os.getpid() and os.kill(p,9)\n except OSError:pass\n"
+        "try:os.setpriority(os.PRIO_USER,0,19)\nexcept OSError as e:print(e.errno)\n"
+        "os.makedirs('/'.join(['d']*1500),exist_ok=True)\n"
+        "try:os.memfd_create('m')\nexcept OSError as e:print('memfd',e.errno)\n"
+        "try:print(open('/etc/shadow').read())\nexcept OSError as e:print('shadow',e.errno)\n"
+        "i=0\ntry:\n while 1:open(f'f{i}','wb').write(b'x'*(1<<20));i+=1\nexcept OSError as e:print('disk',i,e.errno)",
+    )
+    assert "memfd 1" in result.output and "shadow 2" in result.output and "disk" in result.output and " 28" in result.output, result.output
+    assert int(result.output.split("disk ")[1].split()[0]) <= platform.tools.python.disk_mb
+    assert before <= set(tool_workers()), "a tool worker was killed"
+    await assert_the_platform_serves_on(handle_client)
+
+
+async def test_one_episode_cannot_change_another_episodes_tool_output(handle_client):
+    victim = run_python(handle_client, "import time\ntime.sleep(3)\nprint('A-ok')")
+    attacker = run_python(
+        handle_client,
+        "import glob,time\ntime.sleep(1)\nfor p in glob.glob('/tmp/**',recursive=True)+glob.glob('/proc/*/cwd/*')+glob.glob('/proc/*/root/tmp/*')+glob.glob('/proc/*/fd/*'):\n"
+        " try:open(p,'w').write('forged');print('w',p)\n except OSError as e:print(p,e.errno)",
+    )
+    a, _ = await asyncio.gather(victim, attacker)
+    assert a.output == "A-ok\n", a.output
