@@ -102,3 +102,41 @@ async def test_an_oversized_body_is_refused_with_413_before_it_is_parsed_and_ser
         assert r.status_code == 413, r.text[:300]
         ok = await c.post("/v1/rollouts", json={"requests": [OK]})
         assert ok.status_code == 200
+
+
+# Issue 31: two bodies schemathesis found that got a bare 500 (vLLM refused the sampling
+# parameters when the request was built). Each is now a 400 naming the field at fault.
+ALL_TOOL_MESSAGES = (
+    '{"messages": [{"name": null, "content": "\\u00f0", "role": "tool"}, {"content": "\\u008bO\\udbd9\\ude3d\\u00f6yh6\\udbc8\\udfca<\\u00da\\ud896\\udfee\\ud824\\udf13", '
+    '"role": "tool"}, {"role": "tool", "content": "\\u0090\\u00af"}], "n": 3, "request_id": "0", "sampling": {"max_tokens": 8, "ignore_eos": false, "logprobs": false, '
+    '"stop": [], "temperature": 0.0}, "session_id": "s"}'
+)
+
+
+async def test_an_episode_turn_with_a_temperature_vllm_refuses_is_a_400_naming_it_and_the_episode_goes_on(base_url):
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        started = await c.post("/v1/episodes", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert started.status_code == 200, started.text
+        turns = f"/v1/episodes/{started.json()['episode_id']}/turns"
+        r = await c.post(turns, json={"sampling": {"temperature": 16.516691213187798, "top_p": 0.573584850452408}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["field"] == "sampling.temperature", r.json()
+        ok = await c.post(turns, json={"sampling": {"temperature": 1.5, "top_p": 0.57, "max_tokens": 4}})
+        assert ok.status_code == 200 and ok.json()["turn"] == 1, ok.text
+
+
+@pytest.mark.parametrize("path", ["/v1/rollouts/stream", "/v1/rollouts"])
+async def test_several_greedy_samples_are_a_400_naming_n_and_one_is_served(base_url, path):
+    import json
+
+    body = json.loads(ALL_TOOL_MESSAGES)
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        raw = ALL_TOOL_MESSAGES if path.endswith("stream") else json.dumps({"requests": [body]})
+        r = await c.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["field"] == ("n" if path.endswith("stream") else "requests[0].n") and "greedy" in err["message"], err
+        # The chat template renders these messages: with one sample the same request is served.
+        one = {**body, "n": 1}
+        ok = await c.post(path, json=one if path.endswith("stream") else {"requests": [one]})
+        assert ok.status_code == 200, ok.text

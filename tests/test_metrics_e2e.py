@@ -114,7 +114,7 @@ async def test_every_dashboard_and_alert_expression_returns_data(prometheus, pub
     coord = publisher._coordinator
     model = perturbed_policy(model_dir, seed=8)
     plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, RoundRequest(tuple([ParamSpec.of(n, p) for n, p in model.named_parameters()]), _own_address(), _free_port()))
-    await asyncio.to_thread(coord.finish, plan.round_id, "trainer gave up")
+    await asyncio.to_thread(coord.finish, SYNC_TOKEN, plan.round_id, "trainer gave up")
     await handle_client.generate([RolloutRequest(prompt="after the failed round", sampling=SamplingConfig(max_tokens=8))])
     # Tool calls, for the tool panels (forced: the random model calls none by itself). A
     # counter's series starts at its first increment, and rate() needs an increase between

@@ -67,13 +67,12 @@ async def test_a_replica_that_starts_behind_a_committed_checkpoint_reloads_it_be
     from rollout.sync.checkpoint import checkpoint_spec
     from rollout.sync.coordinator import WeightSyncCoordinator
 
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5}}, "nccl")
-    coordinator._token = None
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5, "require_token": False}}, "nccl")
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 0, specs)
     plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1, checkpoint="/shared/policy-v1"))
     asyncio.get_running_loop().create_task(coordinator.report(plan.round_id, "a", None))
-    finish = asyncio.create_task(coordinator.finish(plan.round_id))
+    finish = asyncio.create_task(coordinator.finish(None, plan.round_id))
     await asyncio.sleep(0.05)
     await coordinator.applied(plan.round_id, "a", 1)
     assert (await finish).committed
@@ -103,8 +102,7 @@ async def blocked_round(model_dir, monkeypatch, backend: str):
     from rollout.sync.coordinator import WeightSyncCoordinator
 
     monkeypatch.setattr(agent_module, "WEDGED_GRACE_S", 0.2)
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5}}, backend)
-    coordinator._token = None
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5, "require_token": False}}, backend)
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 0, specs)
     plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
@@ -140,8 +138,7 @@ async def test_a_round_under_a_trainers_pause_resets_the_prefix_cache_and_keeps_
     from rollout.sync.checkpoint import checkpoint_spec
     from rollout.sync.coordinator import WeightSyncCoordinator
 
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5}}, "nccl")
-    coordinator._token = None
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5, "require_token": False}}, "nccl")
     engine = RecordingEngine()
     agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
     await agent.start()
@@ -264,8 +261,7 @@ async def test_a_version_no_publish_in_progress_can_bring_is_refused_at_once_not
     agent.version = 1
     await asyncio.wait_for(held, 1)
     # A publish in progress that names version 296 (trainers often number by step): held.
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}}, "nccl")
-    coordinator._token = None
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"require_token": False}}, "nccl")
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("r", 1, 1, specs)
     agent._incoming = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1, version=296))
@@ -279,8 +275,7 @@ async def test_with_no_copy_to_restore_from_a_replica_waits_paused_for_the_next_
     from rollout.sync.checkpoint import checkpoint_spec
     from rollout.sync.coordinator import WeightSyncCoordinator
 
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5}}, "nccl")
-    coordinator._token = None
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5, "require_token": False}}, "nccl")
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 3, specs)  # a restarted coordinator learns version 3 from a replica
     engine = RecordingEngine()
@@ -296,7 +291,7 @@ async def test_with_no_copy_to_restore_from_a_replica_waits_paused_for_the_next_
     plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
     applying = asyncio.create_task(agent._apply(plan))
     asyncio.create_task(coordinator.report(plan.round_id, "a", None))
-    finish = asyncio.create_task(coordinator.finish(plan.round_id))
+    finish = asyncio.create_task(coordinator.finish(None, plan.round_id))
     await asyncio.sleep(0.1)
     await coordinator.applied(plan.round_id, "a", 4)
     assert await asyncio.wait_for(applying, 5) and (await finish).committed

@@ -14,8 +14,7 @@ SPECS = [ParamSpec("w", "float32", (2, 2))]
 
 
 def coordinator(backend: str = "nccl") -> WeightSyncCoordinator:
-    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1}}, backend)
-    c._token = None
+    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, "require_token": False}}, backend)
     return c
 
 
@@ -38,7 +37,7 @@ async def received_by(c: WeightSyncCoordinator, members=("a", "b")):
     plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1))
     for rid in members:
         asyncio.get_running_loop().create_task(c.report(plan.round_id, rid, None))
-    finish = asyncio.create_task(c.finish(plan.round_id))
+    finish = asyncio.create_task(c.finish(None, plan.round_id))
     await asyncio.sleep(0.1)
     return plan, finish
 
@@ -64,7 +63,7 @@ async def test_rounds_run_one_at_a_time_and_a_second_publisher_gets_a_clear_erro
 async def commit(c: WeightSyncCoordinator, plan, members=("a",)):
     for rid in members:
         asyncio.get_running_loop().create_task(c.report(plan.round_id, rid, None))
-    finish = asyncio.create_task(c.finish(plan.round_id))
+    finish = asyncio.create_task(c.finish(None, plan.round_id))
     await asyncio.sleep(0.05)
     for rid in members:
         await c.applied(plan.round_id, rid, plan.version)
@@ -126,7 +125,7 @@ def test_where_the_weight_copy_goes_travels_over_http_and_a_group_without_a_port
     body = BeginRoundBody.model_validate_json(BeginRoundBody.of(request).model_dump_json())
     assert body.request() == request
     with pytest.raises(ValidationError, match="copy_port"):
-        BeginRoundBody(params=list(SPECS), master_address="127.0.0.1", master_port=1, copy_group="copy-1")
+        BeginRoundBody.model_validate({"params": [{"name": "w", "dtype": "float32", "shape": [2, 2]}], "master_address": "127.0.0.1", "master_port": 1, "copy_group": "copy-1"})
 
 
 def test_ipc_handles_never_travel_over_http():
@@ -216,8 +215,7 @@ async def test_with_a_weight_copy_the_publisher_sends_it_after_the_commit_and_a_
     from rollout.sync.backends.gloo_group import GlooGroup
     from rollout.sync.backends.gloo_stream import receive_buckets
 
-    c = WeightSyncCoordinator({"model": {"path": str(tmp_path)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 20}}, "gloo")
-    c._token = None
+    c = WeightSyncCoordinator({"model": {"path": str(tmp_path)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 20, "require_token": False}}, "gloo")
     tensors = {"w": torch.randn(4, 4), "b": torch.randn(8)}
     specs = tuple(ParamSpec.of(n, t) for n, t in tensors.items())
     await c.register("a", 1, 0, list(specs))
@@ -242,7 +240,7 @@ async def test_with_a_weight_copy_the_publisher_sends_it_after_the_commit_and_a_
         t.add_(1.0)  # the trainer's next optimizer step, as soon as publish() returns
 
     asyncio.get_running_loop().create_task(c.report(plan.round_id, "a", None))
-    finish = asyncio.create_task(c.finish(plan.round_id))
+    finish = asyncio.create_task(c.finish(None, plan.round_id))
     await asyncio.sleep(0.1)
     await c.applied(plan.round_id, "a", 1)
     assert (await asyncio.wait_for(finish, 5)).committed
@@ -270,3 +268,90 @@ def _free_port() -> int:
     from rollout.sync.net import free_port
 
     return free_port()
+
+
+# ---- who may finish or abort a round; one decision for every process --------------------
+
+
+def guarded(environ_token: str | None, monkeypatch, **sync) -> WeightSyncCoordinator:
+    if environ_token is None:
+        monkeypatch.delenv("ROLLOUT_SYNC_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("ROLLOUT_SYNC_TOKEN", environ_token)
+    return WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, **sync}}, "nccl")
+
+
+async def test_finishing_or_aborting_a_round_takes_the_sync_token_not_just_the_round_id(monkeypatch):
+    from rollout.errors import AuthenticationError
+
+    c = guarded("secret", monkeypatch, require_token=True)
+    await c.register("a", 1, 0, SPECS)
+    plan = await c.begin_round("secret", RoundRequest(tuple(SPECS), "127.0.0.1", 1))
+    # The round id is public (status()); an abort with only the API key got through before.
+    assert (await c.status())["round_in_progress"] == plan.round_id
+    for credential, words in ((None, "missing sync token"), ("guess", "wrong sync token")):
+        with pytest.raises(AuthenticationError, match=words):
+            await c.finish(credential, plan.round_id, "aborted by a stranger")
+    assert not c.round.decided.is_set(), "a refused finish leaves the round open"
+    outcome = await asyncio.wait_for(c.finish("secret", plan.round_id, "the trainer gives up"), 2)
+    assert not outcome.committed and "the trainer gives up" in outcome.error
+
+
+async def test_a_restore_round_finishes_itself_without_a_credential(monkeypatch, tmp_path):
+    # The coordinator's own finish (the keeper's send, here failing at once) is not a caller's.
+    c = guarded("secret", monkeypatch, require_token=True)
+    c.keeper = type("Keeper", (), {"version": 0, "send": lambda self, plan: (_ for _ in ()).throw(OSError("no peer"))})()
+    await c.register("a", 1, 0, SPECS)
+    plan = await c.restore("a")
+    await asyncio.wait_for(c.round.decided.wait(), 2)
+    assert c._past_outcome(plan.round_id).error.endswith("OSError: no peer")
+
+
+def test_whether_a_sync_token_is_needed_is_decided_by_the_config_not_by_each_processs_environment():
+    from rollout.config import SyncConfig
+    from rollout.sync.auth import SyncAuth
+
+    # Unset: decided from the environment of the process that builds the app, once.
+    assert SyncConfig().token_required({"ROLLOUT_SYNC_TOKEN": "x"}) and not SyncConfig().token_required({})
+    assert SyncConfig(allowed_service_accounts=["system:serviceaccount:rl:t"]).token_required({})
+    built = SyncConfig().resolved({"ROLLOUT_SYNC_TOKEN": "x"})
+    assert built.require_token is True
+    # The ingress (no token in its environment) and the coordinator (with it) agree.
+    assert SyncAuth.of(built, {}).required and SyncAuth.of(built, {"ROLLOUT_SYNC_TOKEN": "x"}).required
+    open_ = SyncConfig().resolved({})
+    assert not SyncAuth.of(open_, {"ROLLOUT_SYNC_TOKEN": "x"}).required, "a token the build did not see does not switch auth on in one process"
+    with pytest.raises(ValueError, match="contradicts"):
+        SyncConfig(require_token=False, allowed_service_accounts=["system:serviceaccount:rl:t"])
+
+
+async def test_a_required_token_missing_where_the_coordinator_runs_refuses_every_publish_and_says_why(monkeypatch):
+    from rollout.errors import AuthenticationError
+
+    c = guarded(None, monkeypatch, require_token=True)
+    await c.register("a", 1, 0, SPECS)
+    for credential in (None, "anything"):
+        with pytest.raises(AuthenticationError, match="missing sync token|ROLLOUT_SYNC_TOKEN is not set where the coordinator runs"):
+            await c.begin_round(credential, RoundRequest(tuple(SPECS), "127.0.0.1", 1))
+    assert c.round is None
+
+
+async def test_an_open_platform_takes_no_sync_token_even_where_one_is_in_the_environment(monkeypatch):
+    c = guarded("secret", monkeypatch, require_token=False)
+    await c.register("a", 1, 0, SPECS)
+    plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1))
+    assert not (await asyncio.wait_for(c.finish(None, plan.round_id, "abort"), 2)).committed
+
+
+def test_the_built_app_gives_the_ingress_and_the_coordinator_the_same_decision(monkeypatch):
+    from rollout.app import build_application
+    from rollout.config import PlatformConfig
+
+    for env, required in (("secret", True), (None, False)):
+        if env is None:
+            monkeypatch.delenv("ROLLOUT_SYNC_TOKEN", raising=False)
+        else:
+            monkeypatch.setenv("ROLLOUT_SYNC_TOKEN", env)
+        ingress = build_application(PlatformConfig.model_validate({"model": {"path": "/m"}}))._bound_deployment
+        engine, config, coordinator = ingress._replica_config.init_args
+        coordinator_config = coordinator._bound_deployment._replica_config.init_args[0]
+        assert config["sync"]["require_token"] is required and coordinator_config["sync"]["require_token"] is required

@@ -44,4 +44,4 @@ def test_a_coordinator_that_dies_mid_call_is_a_typed_sync_error_not_a_ray_error(
         finish = type("Method", (), {"remote": staticmethod(lambda *args: Dying())})
 
     with pytest.raises(SyncError, match="died during finish.*may have committed"):
-        HandleCoordinator(Handle()).finish("round-1", None)
+        HandleCoordinator(Handle()).finish("token", "round-1", None)

@@ -206,7 +206,7 @@ async def test_a_trainer_that_never_sends_ends_the_round_with_an_error_and_the_n
     coord = publisher._coordinator
     specs = [ParamSpec.of(n, p) for n, p in model.named_parameters()]
     plan = await asyncio.to_thread(coord.begin_round, SYNC_TOKEN, RoundRequest(tuple(specs), _own_address(), _free_port()))
-    outcome = await asyncio.wait_for(asyncio.to_thread(coord.finish, plan.round_id, "trainer died"), timeout=3 * platform.sync.timeout_s + 30)
+    outcome = await asyncio.wait_for(asyncio.to_thread(coord.finish, SYNC_TOKEN, plan.round_id, "trainer died"), timeout=3 * platform.sync.timeout_s + 30)
     assert not outcome.committed and "trainer" in outcome.error
     assert (await asyncio.to_thread(publisher.status))["committed_version"] == committed
     (after,) = await handle_client.generate([greedy(PROMPTS[1], 16)])

@@ -15,6 +15,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 MAX_STOP_STRINGS = 32
 MAX_ID_LENGTH = 256
+# vLLM samples greedily below this temperature (its _SAMPLING_EPS) and then refuses n > 1:
+# every sample would be the same.
+GREEDY_BELOW = 1e-5
 
 
 
@@ -63,7 +66,9 @@ class SamplingConfig(_Input):
     """How to sample. Defaults suit RL rollouts (temperature 1, logprobs on)."""
 
     max_tokens: Int = Field(default=128, ge=1, description="Tokens to generate at most (>= 1; prompt + max_tokens must fit the context).")
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 is greedy, 0..100.")
+    # vLLM refuses temperatures above 2 (SamplingParams); a wider range here would publish
+    # values every engine answers with an error.
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description=f"0..2; below {GREEDY_BELOW:g} is greedy (then `n` must be 1).")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, (0, 1].")
     top_k: Int = Field(default=0, ge=0, description="Sample from the k most likely tokens; 0 disables.")
     seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)]] = Field(
@@ -120,7 +125,7 @@ class RolloutRequest(_Input):
     prompt: Optional[str] = Field(default=None, min_length=1, description="Prompt as text, tokenized by the served tokenizer.")
     messages: Optional[List[ChatMessage]] = Field(default=None, min_length=1, description="Chat messages, rendered with the model's chat template.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    n: Int = Field(default=1, ge=1, description="Samples of this prompt; they share one prefill. Capped by `limits.max_n`.")
+    n: Int = Field(default=1, ge=1, description="Samples of this prompt; they share one prefill. Capped by `limits.max_n`; 1 with greedy sampling (temperature 0).")
     request_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Caller's id, echoed in the result; generated when absent.")
     session_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Groups requests of one episode (routing affinity).")
     reward: Optional[RewardSpec] = Field(
@@ -310,7 +315,8 @@ class RolloutBatchResult(_Model):
 class ErrorDetail(_Model):
     message: str
     type: str = Field(
-        description="invalid_request_error, authentication_error, sync_error, or the retryable stale_weights, overloaded and engine_unavailable."
+        description="invalid_request_error, authentication_error, sync_error, internal_error (a fault of the platform's own, logged with its traceback), "
+        "or the retryable stale_weights, overloaded and engine_unavailable."
     )
     field: Optional[str] = Field(default=None, description="The request field at fault, e.g. `requests[3].sampling.max_tokens`.")
 

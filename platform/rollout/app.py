@@ -160,6 +160,9 @@ def build_application(cfg: PlatformConfig) -> Application:
 
     device = resolve_device(cfg.model)
     logger.info("building app %r on %s: %s", cfg.app_name, device, cfg.model.path)
+    # Whether weight sync needs the sync token is decided here, once, and travels in the
+    # config: the ingress and the coordinator may run with different environments.
+    cfg = cfg.model_copy(update={"sync": cfg.sync.resolved()})
     config = replica_args(cfg)
     coordinator, backend = None, None
     if cfg.sync.enabled:

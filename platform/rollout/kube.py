@@ -2,7 +2,8 @@
 
 * :func:`review_token`: a trainer pod may authenticate to the weight-sync coordinator
   with its projected ServiceAccount token instead of the shared sync token; the
-  coordinator verifies it with a ``TokenReview`` and checks the account against
+  coordinator verifies it with a ``TokenReview`` for ``sync.token_audience`` (cached
+  briefly by :class:`TokenReviewer`) and checks the account against
   ``sync.allowed_service_accounts``.
 * :func:`rayservice_status`: the RayService's status and conditions, for
   ``rollout status --kube``.
@@ -12,8 +13,12 @@ Both use in-cluster configuration when running in a pod, else the local kubeconf
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from typing import Any, Optional
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +35,11 @@ def _load_config() -> None:
 
 
 def review_token(token: str, audiences: Optional[list[str]] = None, api: Any = None) -> Optional[str]:
-    """The username (``system:serviceaccount:NS:NAME``) a token authenticates as, or None."""
+    """The username (``system:serviceaccount:NS:NAME``) a token authenticates as, or None.
+
+    With ``audiences``, the token must have been issued for one of them: the review names
+    them and its answer must say which one the token is valid for (an API server whose
+    authenticator ignores audiences answers none, and the token is refused)."""
     from kubernetes import client
 
     if api is None:
@@ -41,7 +50,53 @@ def review_token(token: str, audiences: Optional[list[str]] = None, api: Any = N
     if status is None or not status.authenticated:
         logger.warning("TokenReview rejected a sync token: %s", getattr(status, "error", None))
         return None
+    if audiences and not set(getattr(status, "audiences", None) or ()) & set(audiences):
+        logger.warning("TokenReview: the sync token is not issued for %s (it is for %s)", audiences, getattr(status, "audiences", None))
+        return None
     return status.user.username if status.user else None
+
+
+class TokenReviewer:
+    """:func:`review_token` for one audience, its answers kept for a short while.
+
+    A publisher sends its token with every call of a round (and vLLM's RL routes make a
+    dozen calls per update): without a cache each one is a round trip to the API server,
+    and a client sending bad tokens in a loop would turn into a flood of TokenReviews.
+    Entries are keyed by a hash of the token (the token itself is never kept), bounded in
+    number (oldest first out), and expire: an accepted token after ``ok_ttl_s`` (so a
+    revoked one stops working soon), a refused one after ``fail_ttl_s`` (so a token that
+    was refused because of a transient API error or a binding not yet made is retried soon).
+    A review that raises is not cached.
+    """
+
+    def __init__(self, audiences: list[str], api: Any = None, ok_ttl_s: float = 60.0, fail_ttl_s: float = 5.0, max_entries: int = 1024, clock: Callable[[], float] = time.monotonic):
+        self.audiences = list(audiences)
+        self.api = api
+        self.ok_ttl_s, self.fail_ttl_s, self.max_entries = ok_ttl_s, fail_ttl_s, max_entries
+        self.clock = clock
+        self._entries: OrderedDict[bytes, tuple[float, Optional[str]]] = OrderedDict()
+        self._lock = threading.Lock()  # reviews run on worker threads (asyncio.to_thread)
+
+    def _key(self, token: str) -> bytes:
+        return hashlib.sha256("\0".join([token, *self.audiences]).encode()).digest()
+
+    def review(self, token: str) -> Optional[str]:
+        key, now = self._key(token), self.clock()
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and hit[0] > now:
+                self._entries.move_to_end(key)
+                return hit[1]
+        user = review_token(token, self.audiences, self.api)
+        with self._lock:
+            self._entries[key] = (now + (self.ok_ttl_s if user else self.fail_ttl_s), user)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return user
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def service_account_token(path: str = SERVICE_ACCOUNT_TOKEN) -> str:

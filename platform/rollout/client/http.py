@@ -37,6 +37,10 @@ def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
         raise OverloadedError(message, float(retry_after) if retry_after else None)
     if resp.status_code == 503:
         raise EngineUnavailableError(message)
+    if resp.status_code == 500 and err.get("type") == "internal_error":
+        # The ingress answered, with a fault of its own (rollout.http.last_resort): the same
+        # request would fail the same way, so it is not retryable.
+        raise RolloutError(f"HTTP 500: {message}")
     if resp.status_code >= 500:
         # The ingress answers every failure it knows with a 4xx or 503; any other 5xx is the
         # serving path itself failing (Serve's proxy answers 500 when the ingress replica dies

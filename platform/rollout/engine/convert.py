@@ -8,6 +8,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from rollout.api import RolloutChunk, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
+from rollout.errors import InvalidRequestError
 
 
 def to_structured_outputs(so: Optional[StructuredOutputs]) -> Any:
@@ -18,9 +19,26 @@ def to_structured_outputs(so: Optional[StructuredOutputs]) -> Any:
     return StructuredOutputsParams(json=so.json_schema, regex=so.regex, choice=so.choice)
 
 
+# Our request fields for the names vLLM's validation errors give (``parameter``).
+_FIELDS = {"n": "n", **{name: f"sampling.{name}" for name in SamplingConfig.model_fields}}
+
+
 def to_sampling_params(cfg: SamplingConfig, n: int, stream: bool = False, constraint: Any = None, skip_special_tokens: bool = True) -> SamplingParams:
     """``constraint`` (vLLM's StructuredOutputsParams) is an episode's tool-call constraint;
-    the request's own ``structured_outputs`` replace it."""
+    the request's own ``structured_outputs`` replace it.
+
+    Raises :class:`InvalidRequestError` for a combination vLLM refuses that our own checks
+    (:mod:`rollout.api`, :mod:`rollout.engine.validation`) let through: a request's fault,
+    not the platform's (it was a bare 500 before)."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        return _sampling_params(cfg, n, stream, constraint, skip_special_tokens)
+    except VLLMValidationError as e:
+        raise InvalidRequestError(_FIELDS.get(e.parameter or "", "sampling"), str(e.args[0]) if e.args else str(e)) from None
+
+
+def _sampling_params(cfg: SamplingConfig, n: int, stream: bool, constraint: Any, skip_special_tokens: bool) -> SamplingParams:
     return SamplingParams(
         n=n,
         max_tokens=cfg.max_tokens,

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from rollout.api import RolloutRequest
+from rollout.api import GREEDY_BELOW, RolloutRequest
 from rollout.errors import InvalidRequestError
 
 
@@ -32,6 +32,11 @@ def check_request(req: RolloutRequest, prompt_ids: Sequence[int], limits: ModelL
     """Raise :class:`InvalidRequestError` naming the field when ``req`` cannot run."""
     if req.n > limits.max_n:
         raise InvalidRequestError("n", f"{req.n} samples requested; the limit is limits.max_n={limits.max_n}")
+    if req.n > 1 and req.sampling.temperature < GREEDY_BELOW:
+        # vLLM refuses it when the request is built; its samples would all be the same.
+        raise InvalidRequestError(
+            "n", f"{req.n} samples with greedy sampling (sampling.temperature {req.sampling.temperature:g}) would all be the same: ask for n=1, or a temperature of at least {GREEDY_BELOW:g}"
+        )
     if req.prompt_token_ids is not None:
         _check_ids("prompt_token_ids", req.prompt_token_ids, limits.vocab_size)
     _check_ids("sampling.stop_token_ids", req.sampling.stop_token_ids, limits.vocab_size)

@@ -29,6 +29,7 @@ from rollout.errors import (
 from rollout.logs import show_platform_logs
 from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.episodes import EpisodeLostError
+from rollout.sync.auth import SyncAuth
 from rollout.sync.protocol import SyncError
 from rollout.sync.remote import OUTCOME, PLAN, SYNC_TOKEN_HEADER, BeginRoundBody, FinishBody
 
@@ -57,6 +58,10 @@ def _error(status: int, message: str, field: Optional[str] = None, kind: str = "
 @app.exception_handler(RequestValidationError)
 async def _on_schema_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0]
+    raised = (first.get("ctx") or {}).get("error")
+    if isinstance(raised, InvalidRequestError):
+        # A model's own rule (a validator) that names the field it is about.
+        return _error(400, str(raised), raised.field)
     loc = [p for p in first.get("loc", ()) if p != "body"]
     field = loc_to_field(loc) or "body"
     return _error(400, f"{field}: {first.get('msg')}", field)
@@ -164,6 +169,7 @@ class HttpIngress(VllmRlRoutes):
         if key is None:
             logger.warning("no API key configured (ROLLOUT_API_KEY or http.api_key_file): the HTTP API is open to anyone who can reach it")
         app.state.api_key = _ApiKey(key)
+        self.sync_auth = SyncAuth.of(self.config.sync)  # whether the sync routes need the sync token (as the coordinator decides)
         app.state.max_body_bytes = self.config.http.max_body_bytes
 
     @app.get("/healthz", responses={503: REQUEST_ERRORS[503]})
@@ -185,7 +191,11 @@ class HttpIngress(VllmRlRoutes):
         responses={200: {"model": RolloutChunk, "description": "One `RolloutChunk` per line."}, **REQUEST_ERRORS},
     )
     async def rollouts_stream(self, request: RolloutRequest) -> NdjsonResponse:
-        _, chunks = await _first_then_rest(self.engine.stream(request))
+        try:
+            _, chunks = await _first_then_rest(self.engine.stream(request))
+        except InvalidRequestError as e:
+            # The replica checks a stream as a batch of one; this body is the request itself.
+            raise InvalidRequestError(e.field.removeprefix("requests[0]").removeprefix(".") or "body", e.message) from None
 
         async def ndjson():
             async for c in chunks:
@@ -276,8 +286,10 @@ class HttpIngress(VllmRlRoutes):
         return PLAN.dump_python(plan, mode="json")
 
     @app.post("/v1/sync/rounds/{round_id}/finish", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)
-    async def sync_finish(self, round_id: str, body: FinishBody) -> dict:
-        return OUTCOME.dump_python(await self._call_coordinator("finish", round_id, body.error), mode="json")
+    async def sync_finish(self, round_id: str, body: FinishBody, request: Request) -> dict:
+        # The sync token, as for opening the round: the round id is public in /v1/sync/status.
+        outcome = await self._call_coordinator("finish", request.headers.get(SYNC_TOKEN_HEADER), round_id, body.error)
+        return OUTCOME.dump_python(outcome, mode="json")
 
     @app.get("/v1/sync/status", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)
     async def sync_status(self) -> dict:

@@ -14,17 +14,18 @@ are refused.
 from __future__ import annotations
 
 import hmac
-import os
 from typing import Annotated, Any, Optional
 
 from fastapi import Body, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.api import ErrorResponse
+from rollout.api import ErrorResponse, NonNegativeInt
 from rollout.errors import AuthenticationError, InvalidRequestError, unwrap_remote
 from rollout.http.routes_app import SYNC_ERRORS, app
 from rollout.sync.protocol import PauseMode, SyncError
 from rollout.sync.remote import SYNC_TOKEN_HEADER
+from rollout.sync.sessions import parse_update_info
 
 REFUSED = (
     "runs arbitrary methods on every engine worker, which would let any caller with the token run code "
@@ -40,18 +41,46 @@ def _credential(request: Request) -> Optional[str]:
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
+# vLLM's flags that reset more than the local prefix cache: accepted by name (vLLM's
+# clients send them), refused when true with a 400 naming the flag; the schema says only
+# false is valid, so a generated call is never refused for a value the schema allows.
+OnlyFalse = Annotated[bool, Query(json_schema_extra={"enum": [False]}, description="Only `false`: not supported here; only the local prefix cache is reset.")]
+
+
+def _no_pickled_keys(schema: dict) -> None:
+    # parse_update_info's refusal of pickled handles, in the published schema too.
+    schema["propertyNames"] = {"not": {"anyOf": [{"pattern": "[Pp][Ii][Cc][Kk][Ll][Ee]"}, {"const": "ipc_handles"}]}}
+
+
+class UpdateInfo(BaseModel):
+    """``/update_weights``'s ``update_info`` (vLLM's NCCL/gloo update info): the parameters
+    the trainer broadcasts next, in order. ``names``, ``dtype_names`` and ``shapes`` have
+    the same length (which JSON Schema cannot say; a 400 does). Other keys pass through to
+    the engines, except pickled handles, which nothing from the network may carry."""
+
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_no_pickled_keys)
+    names: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    dtype_names: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, description="torch's dtype names (`float32` or `torch.float32`).")
+    shapes: list[list[NonNegativeInt]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _as_the_coordinator_reads_it(self) -> "UpdateInfo":
+        parse_update_info(self.model_dump())  # the coordinator checks it again (handle callers skip this)
+        return self
+
+
 REFUSED_ANSWER: dict[int | str, dict[str, Any]] = {403: {"model": ErrorResponse, "description": "Not served here: it would run code on the engines' workers."}}
 
 
 class VllmRlRoutes:
-    """Mixed into the ingress (``self.coordinator``, ``self.config``, ``app.state.api_key``)."""
+    """Mixed into the ingress (``self.coordinator``, ``self.sync_auth``, ``app.state.api_key``)."""
 
     async def _rl(self, request: Request, method: str, *args: Any) -> Any:
         """Call the coordinator on behalf of a trainer, its credential checked there."""
         if self.coordinator is None:
             raise SyncError("weight sync is disabled on this platform (sync.enabled: false)")
         token = _credential(request)
-        if not os.environ.get(self.config.sync.token_env) and not self.config.sync.allowed_service_accounts:
+        if not self.sync_auth.required:
             # No sync token: the API key (if any) guards these routes like every other.
             key = request.app.state.api_key.key
             if key is not None and not (token and hmac.compare_digest(token.encode(), key.encode())):
@@ -77,7 +106,7 @@ class VllmRlRoutes:
         return {"is_paused": await self._rl(request, "paused")}
 
     @app.post("/reset_prefix_cache", responses=SYNC_ERRORS)
-    async def rl_reset_prefix_cache(self, request: Request, reset_running_requests: bool = Query(False), reset_external: bool = Query(False)) -> dict:
+    async def rl_reset_prefix_cache(self, request: Request, reset_running_requests: OnlyFalse = False, reset_external: OnlyFalse = False) -> dict:
         if reset_running_requests or reset_external:
             raise InvalidRequestError("reset_running_requests" if reset_running_requests else "reset_external", "not supported here; only the local prefix cache is reset")
         return {"success": await self._rl(request, "reset_prefix_cache")}
@@ -102,8 +131,8 @@ class VllmRlRoutes:
         return {"message": "Weight update started"}
 
     @app.post("/update_weights", responses=SYNC_ERRORS)
-    async def rl_update(self, request: Request, update_info: Annotated[Any, Body(embed=True)]) -> dict:
-        await self._rl(request, "update", update_info)
+    async def rl_update(self, request: Request, update_info: Annotated[UpdateInfo, Body(embed=True)]) -> dict:
+        await self._rl(request, "update", update_info.model_dump(mode="json"))
         return {"message": "Weights updated"}
 
     @app.post("/finish_weight_update", responses=SYNC_ERRORS)

@@ -9,6 +9,7 @@ from fastapi.openapi.utils import get_openapi
 from rollout.api import ErrorResponse
 from rollout.errors import InvalidRequestError
 from rollout.http.body_limit import BodyLimit
+from rollout.http.last_resort import LastResort
 
 
 def refuse_undocumented_query(request: Request) -> None:
@@ -26,6 +27,7 @@ def refuse_undocumented_query(request: Request) -> None:
 
 app = FastAPI(title="Rollout Platform", version="1", dependencies=[Depends(refuse_undocumented_query)])
 app.add_middleware(BodyLimit)
+app.add_middleware(LastResort)  # added last: outermost, so it also catches a fault of BodyLimit
 
 # The error answers the schema documents (every one has an ErrorResponse body).
 REQUEST_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -38,6 +40,29 @@ REQUEST_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 EPISODE_ERRORS = {**REQUEST_ERRORS, 404: {"model": ErrorResponse, "description": "The episode is not on the replica its id names: it ended, expired or its replica restarted (`episode_lost`)."}}
 SYNC_ERRORS = {**{k: v for k, v in REQUEST_ERRORS.items() if k != 409}, 409: {"model": ErrorResponse, "description": "The sync round was refused or failed; replicas keep the committed version."}}
+
+
+# An episode's id, from the answer that started or turned it, is what its later calls name:
+# OpenAPI links say so, so a client generator (and a stateful fuzzer) can follow an episode
+# from its start through its turns to its end.
+EPISODE_ID = {"episode_id": "$response.body#/episode_id"}
+EPISODE_LINKS = {
+    ("/v1/episodes", "post"): {"TakeTurn": ("/v1/episodes/{episode_id}/turns", "post"), "Get": ("/v1/episodes/{episode_id}", "get"), "End": ("/v1/episodes/{episode_id}", "delete")},
+    ("/v1/episodes/{episode_id}/turns", "post"): {"TakeNextTurn": ("/v1/episodes/{episode_id}/turns", "post"), "Get": ("/v1/episodes/{episode_id}", "get"), "End": ("/v1/episodes/{episode_id}", "delete")},
+}
+
+
+def _link_episode_lifecycle(schema: dict[str, Any]) -> None:
+    paths = schema.get("paths", {})
+    for (path, method), links in EPISODE_LINKS.items():
+        ok = paths.get(path, {}).get(method, {}).get("responses", {}).get("200")
+        if ok is None:
+            continue
+        ok["links"] = {
+            name: {"operationId": paths[target][verb]["operationId"], "parameters": dict(EPISODE_ID)}
+            for name, (target, verb) in links.items()
+            if verb in paths.get(target, {})
+        }
 
 
 def _openapi() -> dict[str, Any]:
@@ -60,6 +85,7 @@ def _openapi() -> dict[str, Any]:
                         "description": "Invalid request: `error.field` names the field.",
                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
                     }
+        _link_episode_lifecycle(schema)
         components = schema.get("components", {}).get("schemas", {})
         for unused in ("HTTPValidationError", "ValidationError"):
             components.pop(unused, None)

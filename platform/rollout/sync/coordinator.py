@@ -10,7 +10,6 @@ deadline; otherwise it is aborted and the publisher gets the reason.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import time
@@ -19,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from rollout.config import PlatformConfig
-from rollout.errors import AuthenticationError, InvalidRequestError
+from rollout.errors import InvalidRequestError
 from rollout.logs import show_platform_logs
 from rollout.sync import net
+from rollout.sync.auth import SyncAuth
 from rollout.sync.backends import get_backend
 from rollout.sync.protocol import POLL_S, REREGISTER, SILENT_POLLS, Control, NoCommittedCopyError, NotRegisteredError, Member, ParamSpec, Reregister, RoundOutcome, RoundPlan, RoundRequest, SessionPlan, SyncError
 from rollout.sync.rules import assign_ranks, check_spec
@@ -101,9 +101,10 @@ class WeightSyncCoordinator(RouteSessions):
 
             self.metrics = SyncMetrics(backend)
         self._gauges_task: Optional[asyncio.Task] = None
-        self._token = os.environ.get(self.config.sync.token_env) or None
-        if self._token is None:
-            logger.warning("%s is not set: any client that reaches the coordinator can publish weights", self.config.sync.token_env)
+        # Who may change the weights: decided from the config (the same decision the
+        # ingress follows), checked against the token in this process's environment.
+        self.auth = SyncAuth.of(self.config.sync)
+        self.auth.warn_if_unusable()
         self.poll_s = POLL_S
         self._departed: list[str] = []
         self.keeper = None
@@ -194,22 +195,7 @@ class WeightSyncCoordinator(RouteSessions):
     # ---- rounds --------------------------------------------------------------------
 
     async def _authorize(self, token: Optional[str]) -> None:
-        allowed = self.config.sync.allowed_service_accounts
-        if self._token is None and not allowed:
-            return
-        if not token:
-            raise AuthenticationError(f"missing sync token: set {self.config.sync.token_env} for the publisher")
-        if self._token is not None and hmac.compare_digest(token.encode(), self._token.encode()):
-            return
-        if allowed:
-            from rollout.kube import review_token
-
-            # A trainer pod's projected ServiceAccount token, verified by the API server.
-            user = await asyncio.to_thread(review_token, token)
-            if user in allowed:
-                return
-            raise AuthenticationError(f"service account {user or '(unauthenticated)'} may not publish weights")
-        raise AuthenticationError("wrong sync token")
+        await self.auth.check(token)
 
     async def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
         """Validate a publish and open a round; no replica changes before this succeeds.
@@ -400,7 +386,7 @@ class WeightSyncCoordinator(RouteSessions):
             await asyncio.to_thread(self.keeper.send, rnd.plan)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        await self.finish(rnd.plan.round_id, error)
+        await self._finish(rnd.plan.round_id, error)
 
     async def _enforce_deadline(self, rnd: _Round) -> None:
         try:
@@ -486,10 +472,17 @@ class WeightSyncCoordinator(RouteSessions):
         await rnd.decided.wait()
         return rnd.outcome
 
-    async def finish(self, round_id: str, error: Optional[str] = None) -> RoundOutcome:
-        """The trainer sent everything (or failed); wait for the decision and, after a
-        commit, for the members to serve it, so a publisher that returns finds every
-        replica on the new version (it never waits longer than one step deadline)."""
+    async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None) -> RoundOutcome:
+        """The trainer sent everything (or, with ``error``, aborts the round). It takes the
+        credential :meth:`begin_round` takes: round ids are public (``status``), and without
+        it anyone with the API key could abort a round, or finish one early."""
+        await self._authorize(token)
+        return await self._finish(round_id, error)
+
+    async def _finish(self, round_id: str, error: Optional[str] = None) -> RoundOutcome:
+        """Wait for the decision and, after a commit, for the members to serve it, so a
+        publisher that returns finds every replica on the new version (it never waits
+        longer than one step deadline)."""
         past = self._past_outcome(round_id)
         if past is not None:
             return past

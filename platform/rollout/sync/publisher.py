@@ -143,7 +143,7 @@ class WeightPublisher:
             # A sender thread abandoned at the deadline may still hold the group.
             self._sender = None
         t_sent = time.perf_counter()
-        outcome = self._coordinator.finish(plan.round_id, error)
+        outcome = self._coordinator.finish(self._token, plan.round_id, error)
         t_done = time.perf_counter()
         # Where the trainer's time went; the replicas' own steps are in outcome.phases.
         self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}

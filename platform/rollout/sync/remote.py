@@ -4,11 +4,12 @@ over the transfer group the round's plan describes."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Annotated, Any, Optional, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
-from rollout.errors import unwrap_remote
+from rollout.api import NonNegativeInt, _integral
+from rollout.errors import InvalidRequestError, unwrap_remote
 from rollout.sync.protocol import ParamSpec, RoundOutcome, RoundPlan, RoundRequest, SyncError
 
 PLAN = TypeAdapter(RoundPlan)
@@ -16,23 +17,45 @@ OUTCOME = TypeAdapter(RoundOutcome)
 SYNC_TOKEN_HEADER = "X-Rollout-Sync-Token"
 
 
-class BeginRoundBody(BaseModel):
-    """Body of ``POST /v1/sync/rounds``."""
+class SyncParam(BaseModel):
+    """One parameter a publish sends, as it travels over HTTP (``ParamSpec``)."""
 
-    model_config = ConfigDict(extra="forbid")
-    params: list[ParamSpec] = Field(min_length=1)
-    version: Optional[int] = Field(default=None, ge=1)
-    master_address: str = Field(min_length=1)
-    master_port: int = Field(ge=1, le=65535)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, description="The parameter's name in the served model (Hugging Face naming).")
+    dtype: str = Field(min_length=1, description="torch's dtype name without `torch.`, e.g. `float32`; it must be the served parameter's.")
+    shape: list[NonNegativeInt] = Field(description="It must be the served parameter's.")
+
+    def spec(self) -> ParamSpec:
+        return ParamSpec(self.name, self.dtype, tuple(self.shape))
+
+
+def _copy_group_needs_a_port(schema: dict) -> None:
+    # The rule _copy_group_needs_a_port enforces, in the published schema too.
+    schema["if"] = {"properties": {"copy_group": {"minLength": 1}}, "required": ["copy_group"]}
+    schema["then"] = {"properties": {"copy_port": {"minimum": 1}}, "required": ["copy_port"]}
+
+
+class BeginRoundBody(BaseModel):
+    """Body of ``POST /v1/sync/rounds``. Strict, so a body is accepted exactly when the
+    published schema says it is valid; what the schema cannot know (the served model's
+    parameters, the committed version) is refused with a 400 naming the field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_copy_group_needs_a_port)
+    params: list[SyncParam] = Field(min_length=1, description="Every parameter of the served model, in the order the publisher sends them.")
+    version: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(default=None, description="Above the committed version; default: the committed version + 1.")
+    master_address: str = Field(min_length=1, description="Where the publisher listens for the transfer group's rendezvous.")
+    master_port: Annotated[int, Field(ge=1, le=65535), BeforeValidator(_integral)]
     reuse_group: Optional[str] = Field(default=None, description="The transfer group the publisher still holds from its last round.")
-    checkpoint: Optional[str] = Field(default=None, min_length=1, description="Absolute path of the same weights on storage every replica reads; restores reload it.")
+    checkpoint: Optional[str] = Field(
+        default=None, min_length=1, pattern="^/", description="Absolute path of the same weights on storage every replica reads; restores reload it."
+    )
     copy_group: str = Field(default="", max_length=128, description="The group of two over which the publisher sends the coordinator's copy after the commit (empty: the copy receives in the round).")
-    copy_port: int = Field(default=0, ge=0, le=65535, description="Where the publisher listens for that group (with copy_group).")
+    copy_port: Annotated[int, Field(ge=0, le=65535), BeforeValidator(_integral)] = Field(default=0, description="Where the publisher listens for that group (with copy_group, at least 1).")
 
     @model_validator(mode="after")
     def _copy_group_needs_a_port(self) -> "BeginRoundBody":
         if self.copy_group and not self.copy_port:
-            raise ValueError("copy_port: a copy_group needs the port the publisher listens on")
+            raise InvalidRequestError("copy_port", "a copy_group needs the port the publisher listens on")
         return self
 
     @classmethod
@@ -41,23 +64,30 @@ class BeginRoundBody(BaseModel):
             # CUDA IPC handles only mean something on the replicas' node, and replicas
             # unpickle them: the platform never accepts them over the network.
             raise SyncError("backend: 'ipc' handles cannot travel over HTTP; publish with WeightPublisher.connect from the replicas' GPU node")
-        fields = {k: getattr(request, k) for k in cls.model_fields}
-        return cls(**{**fields, "params": list(request.params)})
+        fields = {k: getattr(request, k) for k in cls.model_fields if k != "params"}
+        params = [SyncParam(name=p.name, dtype=p.dtype, shape=list(p.shape)) for p in request.params]
+        return cls(**fields, params=params)
 
     def request(self) -> RoundRequest:
         # ipc handles never come over HTTP: no transfer_info here.
-        return RoundRequest(**{**self.model_dump(exclude={"params"}), "params": tuple(self.params)})
+        return RoundRequest(**{k: getattr(self, k) for k in type(self).model_fields if k != "params"}, params=tuple(p.spec() for p in self.params))
 
 
 class FinishBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    error: Optional[str] = None
+    """Body of ``POST /v1/sync/rounds/{round_id}/finish``: the trainer sent everything
+    (``error`` null) or gives up, which aborts the round."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    error: Optional[str] = Field(default=None, description="Why the trainer failed; the round aborts and every replica keeps the committed version.")
 
 
 class CoordinatorClient(Protocol):
     def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan: ...
 
-    def finish(self, round_id: str, error: Optional[str]) -> RoundOutcome: ...
+    def finish(self, token: Optional[str], round_id: str, error: Optional[str]) -> RoundOutcome:
+        """``error`` None: the trainer sent everything; else it aborts the round. Takes the
+        same credential as :meth:`begin_round`: a round's id is public (``status``)."""
+        ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -87,8 +117,8 @@ class HandleCoordinator:
     def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
         return self._call("begin_round", token, request)
 
-    def finish(self, round_id, error) -> RoundOutcome:
-        return self._call("finish", round_id, error)
+    def finish(self, token: Optional[str], round_id: str, error: Optional[str]) -> RoundOutcome:
+        return self._call("finish", token, round_id, error)
 
     def status(self) -> dict[str, Any]:
         return self._call("status")
@@ -113,8 +143,8 @@ class HttpCoordinator:
         body = BeginRoundBody.of(request).model_dump(mode="json")
         return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
 
-    def finish(self, round_id, error) -> RoundOutcome:
-        return OUTCOME.validate_python(self._post(f"/v1/sync/rounds/{round_id}/finish", {"error": error}))
+    def finish(self, token: Optional[str], round_id: str, error: Optional[str]) -> RoundOutcome:
+        return OUTCOME.validate_python(self._post(f"/v1/sync/rounds/{round_id}/finish", FinishBody(error=error).model_dump(mode="json"), token))
 
     def status(self) -> dict[str, Any]:
         from rollout.client.http import raise_for_error

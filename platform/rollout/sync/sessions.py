@@ -358,7 +358,7 @@ class RouteSessions:
         if rnd.update_info is None:
             raise SyncError(f"{rnd.plan.round_id} has not received its weights; call /update_weights first")
         rnd.version = parse_version(weight_version, self.committed_version)
-        outcome = await self.finish(rnd.plan.round_id, None)
+        outcome = await self._finish(rnd.plan.round_id, None)  # (authorized above)
         if not outcome.committed:
             raise SyncError(f"{rnd.plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
         return outcome.version
