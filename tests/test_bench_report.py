@@ -81,3 +81,25 @@ def test_the_soak_section_says_which_checks_failed_and_counts_every_outcome(tmp_
     assert "**failed: no call hung**" in text and "failed 1 (`SyncError`)" in text
     assert "| batch | 10 | ReplicaLostError 2 | 0 |" in text and "| openai | 3 | 0 | 1 |" in text
     assert "| kill_ingress | 10 s | 0.5 s | 9.0 s |" in text
+
+
+def test_the_python_tool_section_shows_both_sandboxes_and_the_paired_overhead(tmp_path):
+    result = {
+        "rounds": 30,
+        "order": "interleaved",
+        "bubblewrap": "bubblewrap 0.8.0",
+        "isolation": "bubblewrap+seccomp+cgroup-v1",
+        "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11.7", "kernel": "6.1.0"},
+        "points": [
+            {
+                "program": "print(6*7)",
+                "wall_ms": {"bare": {"median": 17.63, "interval_90": [17.15, 17.76]}, "bubblewrap": {"median": 33.12, "interval_90": [27.51, 34.47]}},
+                "overhead_ms": {"median": 15.58, "interval_90": [10.47, 17.71]},
+                "bubblewrap_vs_bare": {"median": 1.89, "interval_90": [1.56, 1.95]},
+            }
+        ],
+    }
+    (tmp_path / "python_tool.json").write_text(json.dumps(result))
+    text = report.render(tmp_path)
+    assert "bubblewrap 0.8.0, isolation `bubblewrap+seccomp+cgroup-v1`; 2 CPUs (test cpu), Python 3.11.7, kernel 6.1.0" in text
+    assert "| `print(6*7)` | 17.6 (17.1-17.8) | 33.1 (27.5-34.5) | **15.6 (10.5-17.7)** | 1.89x (1.56-1.95) |" in text

@@ -22,7 +22,10 @@ from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
-SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+# Where a trainer pod mounts its projected ServiceAccount token for the platform: a
+# `serviceAccountToken` projection with `audience` = sync.token_audience. The pod's default
+# token is issued for the API server, and the coordinator's TokenReview refuses it.
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/rollout-platform/token"
 
 
 def _load_config() -> None:
@@ -100,7 +103,16 @@ class TokenReviewer:
 
 
 def service_account_token(path: str = SERVICE_ACCOUNT_TOKEN) -> str:
-    """This pod's projected ServiceAccount token, to pass as a publisher's ``token``."""
+    """This pod's ServiceAccount token projected for the platform's audience (see
+    :data:`SERVICE_ACCOUNT_TOKEN`), to pass as a publisher's ``token``::
+
+        volumes:
+          - name: rollout-token
+            projected:
+              sources:
+                - serviceAccountToken: {audience: rollout-platform, expirationSeconds: 3600, path: token}
+        # mounted at /var/run/secrets/rollout-platform
+    """
     with open(path) as f:
         return f.read().strip()
 

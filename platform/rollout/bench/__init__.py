@@ -19,14 +19,16 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream")
+BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream", "python_tool")
+# Benchmarks that run no model: `--only` these builds none.
+WITHOUT_MODEL = ("python_tool",)
 
 
 def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCHMARKS) -> int:
     unknown = set(only) - set(BENCHMARKS)
     if unknown:
         raise ValueError(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")
-    if not is_built(model_dir):
+    if set(only) - set(WITHOUT_MODEL) and not is_built(model_dir):
         build_model(model_dir)
     if "engine_throughput" in only:
         from rollout.bench.engine_throughput import run as run_throughput
@@ -44,4 +46,8 @@ def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCH
         from rollout.bench.rollout_stream import run as run_stream
 
         write_result(out_dir, "rollout_stream", run_stream(model_dir))
+    if "python_tool" in only:
+        from rollout.bench.python_tool import run as run_python_tool
+
+        write_result(out_dir, "python_tool", run_python_tool())
     return 0

@@ -27,5 +27,7 @@ def _cpu_model() -> str:
     return _stdlib_platform.processor() or "unknown"
 
 
-def machine() -> dict[str, object]:
-    return {"cpus": os.cpu_count(), "cpu": _cpu_model(), "python": _stdlib_platform.python_version(), **_versions()}
+def machine(packages: bool = True) -> dict[str, object]:
+    """``packages=False`` leaves out vLLM, torch, Ray and pydantic (a benchmark that runs none
+    of them should not import them just to name them)."""
+    return {"cpus": os.cpu_count(), "cpu": _cpu_model(), "python": _stdlib_platform.python_version(), **(_versions() if packages else {})}

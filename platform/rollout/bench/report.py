@@ -176,11 +176,41 @@ def rollout_stream(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ms(m: dict[str, Any]) -> str:
+    """A median with its 90% interval, milliseconds."""
+    return f"{m['median']:.1f} ({m['interval_90'][0]:.1f}-{m['interval_90'][1]:.1f})"
+
+
+def _load(r: dict[str, Any]) -> str:
+    load = r.get("load_average_1min")
+    return f"; load average {load['before']:.1f} before, {load['after']:.1f} after" if load else ""
+
+
+def python_tool(r: dict[str, Any]) -> list[str]:
+    lines = [
+        f"**python_tool** (one `python` tool call, from the call to its result; {r['rounds']} rounds a path, {r['order']}; "
+        f"{r['bubblewrap']}, isolation `{r['isolation']}`; {_machine(r)}, kernel {r['machine'].get('kernel', '?')}{_load(r)}). "
+        "`bare` is the sandbox before bubblewrap (a child `python -I` with the same rlimits); `bubblewrap` is `Sandbox.run` today. "
+        "Milliseconds, medians (90% interval); the overhead is paired round by round.",
+        "",
+        "| program | bare ms | bubblewrap ms | overhead ms | bubblewrap / bare |",
+        "|---|---|---|---|---|",
+    ]
+    for p in r["points"]:
+        w, ratio = p["wall_ms"], p["bubblewrap_vs_bare"]
+        lines.append(
+            f"| `{p['program']}` | {_ms(w['bare'])} | {_ms(w['bubblewrap'])} | **{_ms(p['overhead_ms'])}** | "
+            f"{_x(ratio['median'])} ({ratio['interval_90'][0]:.2f}-{ratio['interval_90'][1]:.2f}) |"
+        )
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_throughput": engine_throughput,
     "weight_sync": weight_sync,
     "scaling": scaling,
     "rollout_stream": rollout_stream,
+    "python_tool": python_tool,
     "soak": soak,
 }
 

@@ -1,5 +1,6 @@
 """Runs first inside the ``python`` tool's sandbox, before the model's code:
-``python -I /sandbox/boot.py LIMITS`` with the code at ``/sandbox/main.py``.
+``python -I /sandbox/boot.py LIMITS [CODE_PATH]`` with the code at ``/sandbox/main.py``
+(or CODE_PATH: the benchmark runs this boot outside a sandbox, as the floor it compares with).
 
 It only sets the per-process limits (rlimits cannot be raised again without a
 capability the sandbox does not have) and runs the code. It is no boundary: everything
@@ -25,7 +26,7 @@ def main() -> None:
     # Counted per user in the sandbox's own user namespace: a fork bomb stops here.
     resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails instead of killing
-    with open("/sandbox/main.py") as f:
+    with open(sys.argv[2] if len(sys.argv) > 2 else "/sandbox/main.py") as f:
         source = f.read()
     code = compile(source, "main.py", "exec")
     sys.argv = ["main.py"]
