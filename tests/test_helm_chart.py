@@ -236,9 +236,10 @@ def test_replica_count_is_a_deployment_override_so_scaling_keeps_the_args():
     # Autoscaling stays in args; Serve rejects num_replicas next to an autoscaling_config.
     auto = kube.serve_app(rayservice(render(MATRIX["tp2-autoscale"])))
     assert not any("num_replicas" in d for d in auto.get("deployments", []))
-    assert auto["args"]["deployment"] == MATRIX["tp2-autoscale"]["platform"]["deployment"]
+    # (plus the resource the chart pins the ingress and coordinator to, with tool workers on)
+    assert auto["args"]["deployment"] == {**MATRIX["tp2-autoscale"]["platform"]["deployment"], "control_resource": "rollout_serve"}
     off = kube.serve_app(rayservice(render({"toolWorkers": {"enabled": False}, "platform": {"deployment": {"replicas": 3}}})))
-    assert off["deployments"] == [{"name": "RolloutEngine", "num_replicas": 3}]
+    assert off["deployments"] == [{"name": "RolloutEngine", "num_replicas": 3}] and "deployment" not in off["args"]
 
 
 def test_secrets_by_reference_only(case):
@@ -505,6 +506,9 @@ def test_tool_group_offers_the_custom_resource_and_the_app_asks_for_it(case):
         assert g is None and tools_network_policy(objs) is None
         assert config_from_serve_app(kube.serve_app(rayservice(objs))).tools.worker_resource is None
         assert "rollout_serve" not in rayservice(objs)["spec"]["serveConfigV2"]
+        from rollout.app import control_actor_options
+
+        assert control_actor_options(config_from_serve_app(kube.serve_app(rayservice(objs)))) == {"num_cpus": 0}
         return
     params = g["rayStartParams"]
     assert ray_resources(params["resources"]) == {TOOLS_RESOURCE: 1000}
@@ -518,15 +522,10 @@ def test_tool_group_offers_the_custom_resource_and_the_app_asks_for_it(case):
     cluster = rayservice(objs)["spec"]["rayClusterConfig"]
     for other in [cluster["headGroupSpec"], worker_group(objs)]:
         assert ray_resources(other["rayStartParams"]["resources"]) == {"rollout_serve": 1000}
-    from rollout.app import INGRESS_NAME
-    from rollout.sync.protocol import COORDINATOR_NAME
+    # The ingress and the coordinator ask for it (rollout.app reads deployment.control_resource).
+    from rollout.app import control_actor_options
 
-    app = kube.serve_app(rayservice(objs))
-    pinned = {d["name"]: d["ray_actor_options"] for d in app["deployments"] if "ray_actor_options" in d}
-    expected = {INGRESS_NAME} | ({COORDINATOR_NAME} if cfg.sync.enabled else set())
-    assert set(pinned) == expected, "Serve rejects overrides of deployments the app does not have"
-    for opts in pinned.values():
-        assert opts == {"num_cpus": 0, "resources": {"rollout_serve": 0.001}}
+    assert control_actor_options(cfg) == {"num_cpus": 0, "resources": {"rollout_serve": 0.001}}
 
 
 def test_tool_pod_is_hardened_and_holds_no_credentials(case):

@@ -192,7 +192,7 @@ def test_checkov(tmp_path, built):
 def test_tool_workers_mirror_the_chart(built):
     """The tool worker group, its ServiceAccount and NetworkPolicy match what the Helm chart
     renders for the same release (name and instance `rollout`), so both install paths get
-    the same hardened pod; and the serve config pins tools and the 0-CPU deployments."""
+    the same hardened pod; and the serve config pins tools and the 0-CPU deployments (deployment.control_resource)."""
     helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed (test extra)")
     name, objs = built
     with helm.Chart.load(ROOT / "helm" / "rollout-platform") as chart:
@@ -221,5 +221,7 @@ def test_tool_workers_mirror_the_chart(built):
     app, chart_app = kube.serve_app(rs), kube.serve_app(chart_rs)
     assert config_from_serve_app(app).tools.worker_resource == "rollout_tools"
     assert config_from_serve_app(app).sync.require_token is True
-    pinned = lambda a: [d for d in a.get("deployments", []) if "ray_actor_options" in d]  # noqa: E731
-    assert pinned(app) == pinned(chart_app) and len(pinned(app)) == 2
+    from rollout.app import control_actor_options
+
+    # The 0-CPU ingress and coordinator ask for the resource only non-tool nodes offer, as in the chart.
+    assert control_actor_options(config_from_serve_app(app)) == control_actor_options(config_from_serve_app(chart_app)) == {"num_cpus": 0, "resources": {"rollout_serve": 0.001}}

@@ -23,6 +23,7 @@ from rollout.engine.args import placement, resolve_device
 logger = logging.getLogger(__name__)
 
 INGRESS_NAME = "RolloutIngress"
+CONTROL_RESOURCE_SHARE = 0.001  # of deployment.control_resource: a node offering it hosts many such actors
 
 
 def config_from_args(args: Mapping[str, Any] | PlatformConfig | None) -> PlatformConfig:
@@ -176,7 +177,7 @@ def build_application(cfg: PlatformConfig) -> Application:
             num_replicas=1,
             # Every engine replica holds one long poll open, plus publishers.
             max_ongoing_requests=10_000,
-            ray_actor_options={"num_cpus": 0},
+            ray_actor_options=control_actor_options(cfg),
         )
         coordinator = pinned(coordinator, config, backend).bind(config, backend)
     engine = serve.deployment(RolloutEngine).options(**engine_deployment_options(cfg, device))
@@ -186,12 +187,22 @@ def build_application(cfg: PlatformConfig) -> Application:
         num_replicas=1,
         # The ingress only forwards; it must never be the bottleneck in front of the engines.
         max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=control_actor_options(cfg),
     )
     # The ingress's handle builds its request router once, from the deployment config of
     # its first call: a new router policy must restart the ingress (cheap), not the engines.
     routing = cfg.deployment.routing.model_dump(mode="json")
     return pinned(ingress, config, routing).bind(engine, config, coordinator)
+
+
+def control_actor_options(cfg: PlatformConfig) -> dict[str, Any]:
+    """Ray options of the ingress and the coordinator: no CPU reserved, and with
+    deployment.control_resource a share of a resource only the nodes holding the secrets
+    offer (never a tool worker node)."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if cfg.deployment.control_resource:
+        options["resources"] = {cfg.deployment.control_resource: CONTROL_RESOURCE_SHARE}
+    return options
 
 
 def build(args: Mapping[str, Any] | None = None) -> Application:

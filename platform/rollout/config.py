@@ -177,6 +177,12 @@ class DeploymentConfig(_Section):
     )
     overload_retry_after_s: float = Field(default=1.0, gt=0, le=3600, description="`Retry-After` (s) of an overload refusal, (0, 3600].")
     num_cpus: float = Field(default=1.0, ge=0, description="Ray CPUs reserved per engine replica (>= 0).")
+    control_resource: Optional[str] = Field(
+        default=None,
+        min_length=1,
+        description="A Ray custom resource the HTTP ingress and the weight-sync coordinator ask a tiny share of, so they run only on nodes that "
+        "offer it: the nodes holding the API key and sync token (the chart's head and engine workers), never a tool worker node. None: anywhere.",
+    )
     health_check_period_s: float = Field(default=10.0, gt=0, description="Seconds between replica health checks (> 0).")
     health_check_timeout_s: float = Field(default=30.0, gt=0, description="Seconds before a health check counts as failed (> 0).")
     stuck_timeout_s: float = Field(
