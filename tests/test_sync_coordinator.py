@@ -264,6 +264,57 @@ async def test_with_a_weight_copy_the_publisher_sends_it_after_the_commit_and_a_
     sender.close()
 
 
+# ---- a rendezvous the members cannot reach: the round fails in seconds -------------------
+
+
+async def test_a_member_that_cannot_reach_the_rendezvous_aborts_the_round_at_once_and_the_outcome_names_the_address():
+    c = coordinator()  # sync.timeout_s 1: the round's deadline is 3 s
+    for rid in ("a", "b"):
+        await c.register(rid, 1, 0, SPECS)
+    plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.231.2.1", 4321))
+    b = asyncio.create_task(c.report(plan.round_id, "b", None))  # b is still waiting for the sender
+    await asyncio.sleep(0.05)
+    a = await asyncio.wait_for(c.report(plan.round_id, "a", "cannot reach 10.231.2.1:4321", unreachable="10.231.2.1:4321"), 0.5)
+    assert not a.committed and a.unreachable == "10.231.2.1:4321" and "a: cannot reach 10.231.2.1:4321" in a.error
+    assert (await asyncio.wait_for(b, 0.5)) is a, "every member learns the one decision"
+    assert c.committed_version == 0
+    # What the publisher polls while its send waits for ranks that will never join...
+    assert plan.round_id in [r["round_id"] for r in (await c.status())["recent_rounds"]]
+    # ...and what it gets when it then gives up: the same outcome, naming the address.
+    trainer = await asyncio.wait_for(c.finish(None, plan.round_id, "the send was abandoned"), 0.5)
+    assert trainer.unreachable == "10.231.2.1:4321" and not trainer.committed
+    # The next round forms a new group (the failed one's is not kept) and opens at once.
+    again = await asyncio.wait_for(c.begin_round(None, RoundRequest(tuple(SPECS), "10.231.1.2", 4322, reuse_group=plan.group)), 0.5)
+    assert again.group == again.round_id and again.master_address == "10.231.1.2"
+
+
+async def test_a_member_failing_otherwise_leaves_no_unreachable_address_in_the_outcome():
+    c = coordinator()
+    await c.register("a", 1, 0, SPECS)
+    plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.231.2.1", 4321))
+    outcome = await asyncio.wait_for(c.report(plan.round_id, "a", "receive failed"), 0.5)
+    assert not outcome.committed and outcome.unreachable == ""
+
+
+async def test_the_coordinators_copy_cannot_reach_the_publisher_either_the_round_fails_in_seconds(tmp_path, monkeypatch):
+    """gloo, a publisher that offers no separate copy group: the keeper is a rank of the
+    round, and probes the rendezvous like the replicas do."""
+    from rollout.sync import net
+
+    monkeypatch.setattr(net, "PROBE_S", 0.3)
+    c = WeightSyncCoordinator({"model": {"path": str(tmp_path)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 20, "require_token": False}}, "gloo")
+    await c.register("a", 1, 0, SPECS)
+    port = _free_port()  # nothing listens there
+    t0 = asyncio.get_running_loop().time()
+    plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", port))
+    assert plan.keeper_rank is not None
+    await asyncio.wait_for(c.round.decided.wait(), 5)
+    assert asyncio.get_running_loop().time() - t0 < 3, "decided by the probe, not the 60 s deadline"
+    outcome = c.last_outcome
+    assert not outcome.committed and outcome.unreachable == f"127.0.0.1:{port}"
+    assert f"the coordinator cannot reach the transfer group's rendezvous at 127.0.0.1:{port}" in outcome.error
+
+
 def _free_port() -> int:
     from rollout.sync.net import free_port
 

@@ -3,6 +3,9 @@ the real round trip is in test_weight_sync_e2e.py)."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -45,3 +48,121 @@ def test_a_coordinator_that_dies_mid_call_is_a_typed_sync_error_not_a_ray_error(
 
     with pytest.raises(SyncError, match="died during finish.*may have committed"):
         HandleCoordinator(Handle()).finish("token", "round-1", None)
+
+
+class BlockedSender:
+    """A sender whose peers never join: send() blocks, as gloo's rendezvous does until its timeout."""
+
+    group_name = None
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+
+    def offer(self, tensors):
+        return None
+
+    def copy_offer(self):
+        return "copy-1", 1
+
+    def send(self, plan, tensors):
+        self.release.wait(60)
+        raise RuntimeError("timed out waiting for the other ranks")
+
+    def drop_kept(self):
+        pass
+
+    def close(self):
+        self.release.set()
+
+
+class AbortingCoordinator:
+    """Opens the round, then aborts it the way the real one does when a replica reports that
+    it cannot reach the rendezvous: the round shows as decided in status()."""
+
+    host = "10.231.1.1"
+
+    def __init__(self):
+        self.request = None
+        self.finished_with = None
+
+    def status(self) -> dict:
+        rounds = [{"round_id": "round-1-x", "committed": False}] if self.request else []
+        return {"backend": "gloo", "recent_rounds": rounds}
+
+    def begin_round(self, token, request):
+        from rollout.sync.protocol import Member, RoundPlan
+
+        self.request = request
+        r = request
+        return RoundPlan("round-1-x", 1, "gloo", r.master_address, r.master_port, 2, (Member("a", 1, 1),), r.params, 1 << 16, "keep", 30.0)
+
+    def finish(self, token, round_id, error):
+        from rollout.sync.protocol import RoundOutcome
+
+        self.finished_with = error
+        where = f"{self.request.master_address}:{self.request.master_port}"
+        return RoundOutcome(round_id, False, 0, f"a: cannot reach the transfer group's rendezvous at {where}", ["a"], unreachable=where)
+
+
+def test_a_publish_the_replicas_cannot_reach_fails_in_seconds_naming_the_address_and_the_setting(monkeypatch):
+    import time
+
+    import rollout.sync.publisher as publisher_module
+    from rollout.sync.protocol import PublisherUnreachableError
+
+    monkeypatch.setenv("ROLLOUT_PUBLISHER_ADDRESS", "10.231.2.1")
+    monkeypatch.setattr(publisher_module.net, "is_local", lambda address: address == "10.231.2.1")  # this host's other interface
+    monkeypatch.setattr(publisher_module, "DECIDED_POLL_S", 0.1)
+    sender = BlockedSender()
+    monkeypatch.setattr(publisher_module, "make_sender", lambda backend: sender)
+    coordinator = AbortingCoordinator()
+    publisher = WeightPublisher(coordinator, "auto", token=None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PublisherUnreachableError) as e:
+            publisher.publish({"w": torch.zeros(2)})
+    finally:
+        sender.close()
+    assert time.monotonic() - t0 < 5, "the round's deadline is 30 s: the publisher must not wait it out"
+    port = coordinator.request.master_port
+    assert (e.value.address, e.value.port) == ("10.231.2.1", port)
+    message = str(e.value)
+    assert f"10.231.2.1:{port}" in message and "set by ROLLOUT_PUBLISHER_ADDRESS" in message and "replicas keep version 0" in message
+    assert "abandoned" in coordinator.finished_with, "the publisher tells the coordinator it gave up"
+    assert publisher._sender is None, "the abandoned sender's group is never reused"
+
+
+def test_without_the_setting_a_publisher_names_how_it_chose_the_address(monkeypatch):
+    import rollout.sync.publisher as publisher_module
+    from rollout.sync import net
+    from rollout.sync.protocol import PublisherUnreachableError
+
+    monkeypatch.delenv("ROLLOUT_PUBLISHER_ADDRESS", raising=False)
+    monkeypatch.delenv(net.NODE_ADDRESS_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False))  # a trainer outside the cluster
+    monkeypatch.setattr(net, "route_address", lambda toward: {"10.231.1.1": "10.231.1.2"}.get(toward))
+    monkeypatch.setattr(net, "is_local", lambda address: address == "10.231.1.2")
+    monkeypatch.setattr(publisher_module, "DECIDED_POLL_S", 0.1)
+    sender = BlockedSender()
+    monkeypatch.setattr(publisher_module, "make_sender", lambda backend: sender)
+    coordinator = AbortingCoordinator()
+    try:
+        with pytest.raises(PublisherUnreachableError, match="the interface that routes to 10.231.1.1.*Set ROLLOUT_PUBLISHER_ADDRESS"):
+            WeightPublisher(coordinator, "auto", token=None).publish({"w": torch.zeros(2)})
+    finally:
+        sender.close()
+    assert coordinator.request.master_address == "10.231.1.2", "advertised toward the ingress's host"
+
+
+def test_an_address_that_is_not_this_hosts_is_refused_before_any_round_opens(monkeypatch):
+    import rollout.sync.publisher as publisher_module
+
+    # 198.51.100.7 (TEST-NET-2) is on no interface here; checking it only tries to bind.
+    monkeypatch.setenv("ROLLOUT_PUBLISHER_ADDRESS", "198.51.100.7")
+    monkeypatch.setattr(publisher_module, "make_sender", lambda backend: BlockedSender())
+    coordinator = AbortingCoordinator()
+    with pytest.raises(SyncError, match="'198.51.100.7' \\(set by ROLLOUT_PUBLISHER_ADDRESS\\), which is not an address of this host"):
+        WeightPublisher(coordinator, "auto", token=None).publish({"w": torch.zeros(2)})
+    assert coordinator.request is None, "no round opened"

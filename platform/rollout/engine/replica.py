@@ -104,6 +104,11 @@ class RolloutEngine:
             # What the backend's engine needs (e.g. ipc: pickled handles); vLLM's engine
             # processes inherit this process's environment.
             os.environ.update(get_backend(sync_backend).engine_env)
+            # vLLM's engine processes are not Ray workers: they learn the node's address
+            # from the environment, to bind their transfer groups to it (rollout.sync.net).
+            from rollout.sync.net import export_node_address
+
+            export_node_address()
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=sync_backend)
         args = AsyncEngineArgs(**kwargs)
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.snapshot), *stat_loggers])

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.sync.protocol import SyncError
+from rollout.sync.protocol import PublisherUnreachableError, SyncError
 
-__all__ = ["WeightPublisher", "SyncError"]
+__all__ = ["WeightPublisher", "SyncError", "PublisherUnreachableError"]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,7 @@ import time
 from typing import Any, Optional
 
 from rollout.errors import StaleWeightsError, unwrap_remote
+from rollout.sync import net
 from rollout.sync.backends import get_backend
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
@@ -53,6 +54,14 @@ async def pause_for_update(engine: Any, mode: str) -> None:
         return
     await renderer.clear_mm_cache_async()
     await core.pause_scheduler_async(mode=mode, clear_cache=True)
+
+
+async def check_reachable(init_info: dict, timeout_s: float) -> None:
+    """Raise :class:`~rollout.sync.net.RendezvousUnreachable` unless the rendezvous in
+    ``init_info`` (where the backend has one) takes a connection within a few seconds."""
+    address, port = init_info.get("master_address"), init_info.get("master_port")
+    if address and port:  # ipc has none: replicas read the trainer's handles
+        await net.check_reachable(address, int(port), timeout_s)
 
 
 class SyncAgent:
@@ -237,7 +246,9 @@ class SyncAgent:
         limit = plan.timeout_s if get_backend(plan.backend).transport_has_deadline else plan.timeout_s + WEDGED_GRACE_S
         error = None
         try:
-            request = WeightTransferInitRequest(init_info=plan.member_init_info(self.replica_id))
+            init_info = plan.member_init_info(self.replica_id)
+            await check_reachable(init_info, plan.timeout_s)
+            request = WeightTransferInitRequest(init_info=init_info)
             await asyncio.wait_for(self.engine.init_weight_transfer_engine(request), limit)
         except asyncio.TimeoutError:
             error = f"joining the trainer's group did not finish within {limit:.0f}s"
@@ -312,6 +323,7 @@ class SyncAgent:
         step_limit = t if has_deadline else t + WEDGED_GRACE_S
         clock = PhaseClock()
         error: Optional[str] = None
+        unreachable: Optional[str] = None  # the rendezvous this replica could not reach
         started = False
         consistent = False
         wedged = False
@@ -331,7 +343,10 @@ class SyncAgent:
                 else:
                     if not plan.session:  # a route session's members joined at its init
                         async with clock("join"):
-                            await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=self._init_info(plan))), step_limit)
+                            init_info = self._init_info(plan)
+                            if not plan.group_name:  # a kept group's rendezvous was reached before
+                                await check_reachable(init_info, t)
+                            await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), step_limit)
                     async with clock("start"):
                         await asyncio.wait_for(self.engine.start_weight_update(), step_limit)
                     started = True
@@ -348,6 +363,9 @@ class SyncAgent:
                 error = f"the engine did not finish {clock.current} within {step_limit:.0f}s"
                 wedged = not has_deadline
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
+            except net.RendezvousUnreachable as e:
+                error, unreachable = str(e), e.target
+                logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
@@ -357,7 +375,7 @@ class SyncAgent:
                 # waits for the commit. After an abort the weights are restored either way.
                 finishing = asyncio.ensure_future(asyncio.wait_for(self.engine.finish_weight_update(), step_limit))
             async with clock("decision"):
-                outcome = await self._report(plan, error)
+                outcome = await self._report(plan, error, unreachable)
             self.committed = max(self.committed, outcome.version)
             finish_error = await self._finished(finishing, clock)
             if outcome.committed and finish_error is None:
@@ -414,11 +432,11 @@ class SyncAgent:
     def _init_info(self, plan: RoundPlan) -> dict:
         return get_backend(plan.backend).init_info(plan, plan.member(self.replica_id))
 
-    async def _report(self, plan: RoundPlan, error: Optional[str]) -> RoundOutcome:
+    async def _report(self, plan: RoundPlan, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
         """The round's decision; an unreachable coordinator counts as an abort, so the
         weights are restored rather than trusted."""
         try:
-            outcome = await self.coordinator.report.remote(plan.round_id, self.replica_id, error)
+            outcome = await self.coordinator.report.remote(plan.round_id, self.replica_id, error, unreachable)
         except Exception as e:
             logger.error("replica %s: reporting %s failed (%s); treating it as aborted", self.replica_id, plan.round_id, e)
             return RoundOutcome(plan.round_id, False, -1, f"report failed: {e}", [self.replica_id])

@@ -48,6 +48,7 @@ class _Round:
     deadline: float
     opened_at: float = field(default_factory=time.monotonic)
     reports: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
+    unreachable: str = ""  # "address:port" of the rendezvous a member could not reach
     keeper_reported: bool = False
     keeper_error: Optional[str] = None
     trainer_error: Optional[str] = None
@@ -295,7 +296,14 @@ class WeightSyncCoordinator(RouteSessions):
     async def _keep(self, rnd: _Round, rank: int) -> None:
         error = None
         try:
+            # The keeper is a rank like the replicas (the only one with none live): an
+            # unreachable publisher fails the round in seconds here too. A kept group's
+            # (and a route session's) rendezvous was reached when it formed.
+            if not rnd.plan.group_name and not rnd.plan.session:
+                await net.check_reachable(rnd.plan.master_address, rnd.plan.master_port, rnd.plan.timeout_s)
             await asyncio.to_thread(self.keeper.receive, rnd.plan, rank)
+        except net.RendezvousUnreachable as e:
+            error, rnd.unreachable = f"the coordinator {e}", e.target
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         if rnd.decided.is_set():
@@ -430,7 +438,9 @@ class WeightSyncCoordinator(RouteSessions):
                 self.keeper.commit(rnd.plan.round_id, rnd.version)
             else:
                 self.keeper.discard(rnd.plan.round_id)
-        rnd.outcome = RoundOutcome(rnd.plan.round_id, committed, self.committed_version, error or "", failed)
+        rnd.outcome = RoundOutcome(
+            rnd.plan.round_id, committed, self.committed_version, error or "", failed, unreachable="" if committed else rnd.unreachable
+        )
         self.last_outcome = rnd.outcome
         self.history.append(rnd.outcome)
         del self.history[:-HISTORY]
@@ -460,14 +470,22 @@ class WeightSyncCoordinator(RouteSessions):
             raise SyncError(f"unknown round {round_id}")
         return self.round
 
-    async def report(self, round_id: str, replica_id: str, error: Optional[str]) -> RoundOutcome:
-        """A member received all weights (``error`` None) or failed; wait for the decision."""
+    async def report(self, round_id: str, replica_id: str, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
+        """A member received all weights (``error`` None) or failed; wait for the decision.
+
+        ``unreachable``: the member failed because it could not reach the round's
+        rendezvous at that "address:port". Like any failure it aborts the round at once
+        (the publisher need not wait out its deadline), and the outcome says so, so the
+        publisher can name the address it advertised and how to change it.
+        """
         self._seen(replica_id)
         past = self._past_outcome(round_id)
         if past is not None:
             return past
         rnd = self._round(round_id)
         rnd.reports[replica_id] = error
+        if error and unreachable:
+            rnd.unreachable = unreachable
         self._decide_if_complete(rnd)
         await rnd.decided.wait()
         return rnd.outcome

@@ -37,6 +37,21 @@ class NoCommittedCopyError(SyncError):
     coordinator restarted since the last publish); the next publish brings them."""
 
 
+class PublisherUnreachableError(SyncError):
+    """The replicas could not reach the address the publisher advertised for the round's
+    transfer group, so nothing was sent and every replica keeps the committed version.
+    ``address`` and ``port`` are what was advertised; the message says how that address
+    was chosen and names the setting that changes it (``ROLLOUT_PUBLISHER_ADDRESS``)."""
+
+    def __init__(self, message: str, address: str, port: int):
+        self.address = address
+        self.port = port
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.address, self.port))
+
+
 class NotRegisteredError(SyncError):
     """The coordinator does not know the replica (it restarted): register, then ask again."""
 
@@ -199,6 +214,9 @@ class RoundOutcome:
     unconfirmed: list[str] = field(default_factory=list)
     # replica -> seconds per step of the round (pause, join, receive, ...), as each reports
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    # "address:port" of the rendezvous that members could not reach (the round aborted
+    # before anything was sent); empty when none failed that way.
+    unreachable: str = ""
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,14 @@ import logging
 import os
 import threading
 import time
-from typing import Iterable, Mapping, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
 from rollout.sync import net
 from rollout.sync.backends import get_backend, make_sender
 from rollout.sync.backends.base import Sender
-from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, ParamSpec, RoundOutcome, RoundPlan, RoundRequest, SyncError
+from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, ParamSpec, PublisherUnreachableError, RoundOutcome, RoundPlan, RoundRequest, SyncError
 from rollout.sync.remote import CoordinatorClient, HandleCoordinator, HttpCoordinator
 
 logger = logging.getLogger(__name__)
@@ -33,12 +33,19 @@ def _token(explicit: Optional[str]) -> Optional[str]:
     return explicit if explicit is not None else os.environ.get(SYNC_TOKEN_ENV)
 
 
-def _send_with_deadline(sender, plan, tensors) -> Optional[str]:
+# While a send runs, the publisher asks the coordinator this often whether the round was
+# decided without it (a member failed): a send blocked on ranks that will never join then
+# ends in seconds, not at the round's deadline. A send that ends sooner asks nothing.
+DECIDED_POLL_S = 1.0
+
+
+def _send_with_deadline(sender, plan, tensors, decided: Callable[[], bool] = lambda: False) -> Optional[str]:
     """Run the transfer with the round's deadline; the error text, or None on success.
 
     A transport blocked on a peer that went away must not hang the trainer: after the
-    deadline the round is reported failed and the sending thread is abandoned (it ends
-    when the transport notices the closed peers).
+    deadline, or once ``decided()`` says the round ended without this publisher (a member
+    failed, so the round aborted), the round is reported failed and the sending thread is
+    abandoned (it ends when the transport's own timeouts pass).
     """
     outcome: dict[str, Optional[str]] = {}
 
@@ -51,10 +58,27 @@ def _send_with_deadline(sender, plan, tensors) -> Optional[str]:
 
     thread = threading.Thread(target=run, name=f"send-{plan.round_id}", daemon=True)
     thread.start()
-    thread.join(timeout=2 * plan.timeout_s)
-    if thread.is_alive():
-        return f"transfer did not finish within {2 * plan.timeout_s:.0f}s"
-    return outcome["error"]
+    deadline = time.monotonic() + 2 * plan.timeout_s
+    while True:
+        thread.join(timeout=max(0.0, min(DECIDED_POLL_S, deadline - time.monotonic())))
+        if not thread.is_alive():
+            return outcome["error"]
+        if time.monotonic() >= deadline:
+            return f"transfer did not finish within {2 * plan.timeout_s:.0f}s"
+        if decided():
+            return "the round ended while sending (a member failed); the send was abandoned"
+
+
+def _decided(coordinator: CoordinatorClient, round_id: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            rounds = coordinator.status().get("recent_rounds") or []
+        except Exception as e:  # the deadline still ends the send
+            logger.warning("asking the coordinator whether %s is decided failed: %s", round_id, e)
+            return False
+        return any(r.get("round_id") == round_id for r in rounds)
+
+    return check
 
 
 class WeightPublisher:
@@ -91,9 +115,10 @@ class WeightPublisher:
     ) -> "WeightPublisher":
         """Attach through the HTTP ingress, from a process outside the Ray cluster.
 
-        The replicas connect back to this process for the transfer itself: set
-        ``ROLLOUT_PUBLISHER_ADDRESS`` when its hostname does not resolve to an address
-        they can reach.
+        The replicas connect back to this process for the transfer itself, at the
+        address of its interface that routes to ``base_url``'s host (see
+        :func:`rollout.sync.net.choose`); set ``ROLLOUT_PUBLISHER_ADDRESS`` to an address
+        of this host that they reach where that one is not.
         """
         return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token))
 
@@ -111,6 +136,9 @@ class WeightPublisher:
         Raises ``InvalidRequestError`` (unknown names, wrong shapes or dtypes, version
         not increasing) or ``AuthenticationError`` before any replica changes, and
         ``SyncError`` when the round fails; replicas then keep the last committed version.
+        ``PublisherUnreachableError`` (a ``SyncError``) says the replicas could not reach
+        the address this process advertised: it names it, how it was chosen, and
+        ``ROLLOUT_PUBLISHER_ADDRESS``, which overrides it.
         """
         t0 = time.perf_counter()
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
@@ -123,9 +151,17 @@ class WeightPublisher:
         if self._sender is None:
             self._sender = make_sender(backend)
         copy_group, copy_port = self._sender.copy_offer() if get_backend(backend).keeps_copy else ("", 0)
+        advertised = net.choose(toward=self._coordinator.host)
+        if not net.is_local(advertised.address):
+            # Found here, before any replica pauses, rather than as the transport's failure
+            # to bind mid-round.
+            raise SyncError(
+                f"this publisher would advertise {advertised.address!r} ({advertised.source}), which is not an address of this host; "
+                f"set {net.ADDRESS_ENV} to one of this host's addresses that the replicas reach"
+            )
         request = RoundRequest(
             params=tuple(specs),
-            master_address=net.own_address(),
+            master_address=advertised.address,
             master_port=net.free_port(),
             version=version,
             reuse_group=self._sender.group_name,
@@ -137,7 +173,7 @@ class WeightPublisher:
         plan = self._coordinator.begin_round(self._token, request)
         t_open = time.perf_counter()
         sender = self._sender
-        error = _send_with_deadline(sender, plan, [tensors[p.name] for p in plan.params])
+        error = _send_with_deadline(sender, plan, [tensors[p.name] for p in plan.params], _decided(self._coordinator, plan.round_id))
         if error:
             logger.error("sending %s failed: %s", plan.round_id, error)
             # A sender thread abandoned at the deadline may still hold the group.
@@ -154,6 +190,14 @@ class WeightPublisher:
                 self._start_copy(sender, plan)
             else:
                 sender.drop_kept()
+        if outcome.unreachable:
+            raise PublisherUnreachableError(
+                f"{plan.round_id} aborted: the replicas cannot reach this publisher at {outcome.unreachable}, "
+                f"the address it advertised ({advertised.source}): {outcome.error}. Set {net.ADDRESS_ENV} to an "
+                f"address of this host that the replicas reach; replicas keep version {outcome.version}",
+                plan.master_address,
+                plan.master_port,
+            )
         if not outcome.committed:
             raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
         self.last_sync_s = t_done - t0

@@ -82,6 +82,11 @@ class FinishBody(BaseModel):
 
 
 class CoordinatorClient(Protocol):
+    # The host the coordinator is reached at from outside the Ray cluster (the ingress's),
+    # None from inside it: a publisher advertises the address of its interface that routes
+    # there (rollout.sync.net.choose).
+    host: Optional[str]
+
     def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan: ...
 
     def finish(self, token: Optional[str], round_id: str, error: Optional[str]) -> RoundOutcome:
@@ -93,6 +98,8 @@ class CoordinatorClient(Protocol):
 
 
 class HandleCoordinator:
+    host = None  # inside the Ray cluster: publishers advertise their node's address
+
     def __init__(self, handle, timeout_s: float = 600.0):
         self.handle = handle
         self.timeout_s = timeout_s  # like HttpCoordinator's: a coordinator that never answers is an error
@@ -130,6 +137,7 @@ class HttpCoordinator:
 
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.host = self.client.base_url.host or None
 
     def _post(self, path: str, body: dict, token: Optional[str] = None) -> Any:
         from rollout.client.http import raise_for_error

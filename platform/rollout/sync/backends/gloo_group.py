@@ -18,6 +18,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from rollout.sync import net
+
 
 @dataclass(frozen=True)
 class Rendezvous:
@@ -30,6 +32,36 @@ class Rendezvous:
     timeout_s: float
 
 
+def local_address(rendezvous: Rendezvous, rank: int) -> net.Choice:
+    """The address this rank's gloo pairs listen on and announce to their peers.
+
+    Rank 0 hosts the rendezvous, so its address is the one it advertised there (the
+    master address), which the others already proved they reach. Every other rank's is
+    :func:`rollout.sync.net.choose`'s: an engine worker's is its node's address in the Ray
+    cluster. gloo's own default (the hostname's address, or ``GLOO_SOCKET_IFNAME``)
+    would announce loopback from a host whose hostname maps to 127.0.0.1, and every
+    peer on another host would be refused.
+    """
+    if rank == 0:
+        return net.Choice(rendezvous.master_address, "the address it advertised for the rendezvous")
+    return net.choose(toward=rendezvous.master_address)
+
+
+def _options(rendezvous: Rendezvous, rank: int, timeout: timedelta) -> "dist.ProcessGroupGloo._Options":
+    local = local_address(rendezvous, rank)
+    try:
+        device = dist.ProcessGroupGloo.create_device(hostname=local.address)
+    except RuntimeError as e:  # gloo binds to it: an address of another host fails here
+        raise RuntimeError(
+            f"gloo cannot use {local.address!r} ({local.source}) for rank {rank} of {rendezvous.name}: it is not an address of this host ({e})"
+        ) from None
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [device]
+    # _threads keeps gloo's default (2), what the (store, rank, size, timeout) constructor uses.
+    return options
+
+
 class GlooGroup:
     def __init__(self, rendezvous: Rendezvous, rank: int):
         r = rendezvous
@@ -37,11 +69,14 @@ class GlooGroup:
         self.name = r.name
         self.rank = rank
         self.world_size = r.world_size
+        # First, since it only binds: an address that is not this host's fails here,
+        # before the store (whose master connects to its own address) sends anything.
+        options = _options(r, rank, timeout)
         # The store's own timeout bounds the rendezvous: a rank that never joins
         # ends the round with an error instead of a hang.
         self._store = dist.TCPStore(r.master_address, r.master_port, r.world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
         prefixed = dist.PrefixStore(r.name, self._store)
-        self._pg = dist.ProcessGroupGloo(prefixed, rank, r.world_size, timeout)
+        self._pg = dist.ProcessGroupGloo(prefixed, rank, r.world_size, options)
 
     def broadcast_async(self, tensor: torch.Tensor, root: int = 0):
         """Start a broadcast; ``.wait()`` on the result. gloo runs it on its own
