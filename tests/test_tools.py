@@ -208,3 +208,17 @@ def test_vllms_parser_forces_and_reads_calls_in_the_models_format(model_dir):
     (call,) = calling.parse(plan, text, [])
     assert (call.name, json.loads(call.arguments)) == ("calculator", {"expression": "6*7"}) and call.id
     assert calling.parse(plan, "no call here", []) == []
+
+
+@pytest.mark.parametrize(
+    "said, setting",
+    [
+        ("bwrap: Can't mount proc on /newroot/proc: Operation not permitted", "procMount: Unmasked"),
+        ("bwrap: Creating new namespace failed: nesting depth or /proc/sys/user/max_*_namespaces exceeded (ENOSPC)", "user.max_user_namespaces"),
+        ("bwrap: setting up uid map: Permission denied", "kernel.unprivileged_userns_clone=1"),
+    ],
+)
+def test_what_bubblewrap_says_is_answered_with_the_setting_to_change(said, setting):
+    from rollout.tools.sandbox import _hint
+
+    assert setting in _hint(said)

@@ -74,13 +74,13 @@ class Isolation:
 
     tool: str  # "bubblewrap 0.8.0"
     namespaces: tuple[str, ...]
-    seccomp: bool
+    seccomp: bool  # (always True: a sandbox without its filter fails the check)
     cgroups: str  # "v2", "v1" or "none"
 
     @property
     def label(self) -> str:
         """A short, bounded name: the metrics label and ``rollout status`` column."""
-        return f"{self.tool.split()[0]}+seccomp+cgroup-{self.cgroups}" if self.seccomp else f"{self.tool.split()[0]}+cgroup-{self.cgroups}"
+        return f"{self.tool.split()[0]}+seccomp+cgroup-{self.cgroups}"
 
     def describe(self) -> str:
         return f"{self.tool}: {', '.join(self.namespaces)} namespaces; seccomp filter; cgroups {self.cgroups}"
@@ -165,6 +165,8 @@ def _python_binds() -> list[str]:
 def _hint(stderr: str) -> str:
     """The setting to change for what bubblewrap said."""
     s = stderr.lower()
+    if "mount proc" in s:  # (before the permission cases: its message ends "Operation not permitted")
+        return "a fresh /proc cannot be mounted: the container masks /proc (Kubernetes: procMount: Unmasked, or hostUsers: false)"
     if "no space left on device" in s or "enospc" in s or "max_" in s:
         return "the kernel allows no more user namespaces here: raise the sysctl user.max_user_namespaces (it is 0 or used up)"
     if "creating new namespace" in s or "uid map" in s or "setting up uid" in s or "operation not permitted" in s or "permission denied" in s:
@@ -173,8 +175,6 @@ def _hint(stderr: str) -> str:
             "kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu), and in a container allow unshare/clone with namespace flags in its "
             "seccomp profile (see docs/kubernetes-tool-sandbox.md)"
         )
-    if "mount proc" in s or "proc" in s:
-        return "a fresh /proc cannot be mounted: the container masks /proc (Kubernetes: procMount: Unmasked, or hostUsers: false)"
     if "seccomp" in s:
         return "the kernel refused the seccomp filter (CONFIG_SECCOMP_FILTER is needed)"
     return "see bubblewrap's message"
