@@ -106,9 +106,13 @@ class RolloutEngine:
             os.environ.update(get_backend(sync_backend).engine_env)
             # vLLM's engine processes are not Ray workers: they learn the node's address
             # from the environment, to bind their transfer groups to it (rollout.sync.net).
-            from rollout.sync.net import export_node_address
+            from rollout.sync import net
 
-            export_node_address()
+            net.export_node_address()
+            if sync_backend == "nccl":
+                # vLLM's NCCL engine would otherwise announce whichever interface NCCL
+                # picks, not the node's address the trainer reaches this host by.
+                net.pin_nccl_interface(net.choose())
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=sync_backend)
         args = AsyncEngineArgs(**kwargs)
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self.snapshot), *stat_loggers])

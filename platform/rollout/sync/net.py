@@ -184,3 +184,35 @@ async def check_reachable(address: str, port: int, timeout_s: float) -> None:
     why = await unreachable(address, port, within_s)
     if why is not None:
         raise RendezvousUnreachable(f"{address}:{port}", why, within_s)
+
+
+# NCCL picks its own interface for the bootstrap and socket transport (InfiniBand first,
+# then any but loopback and docker), not the address a rank advertised: on a trainer
+# whose first interface leads elsewhere it announces an address the replicas cannot
+# reach, and every rank waits out the round. NCCL reads this once, at a process's first
+# communicator, so it is set before that and never over an operator's own choice.
+NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of the local interface that holds ``address``, or None."""
+    import psutil  # vLLM's dependency: present wherever an NCCL group is formed
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == address for a in addrs):
+            return name
+    return None
+
+
+def pin_nccl_interface(choice: Choice) -> Optional[str]:
+    """Make NCCL use the interface holding ``choice``'s address, unless the operator set
+    :data:`NCCL_IFNAME_ENV` (kept as it is); returns the value set, or None where none was.
+    Loopback is never pinned: a single-host group needs no choice made for it."""
+    if os.environ.get(NCCL_IFNAME_ENV) or _is_loopback(choice.address):
+        return None
+    name = interface_of(choice.address)
+    if name is None:
+        raise RuntimeError(f"no interface of this host holds {choice.address} ({choice.source}): NCCL cannot be pointed at it; set {ADDRESS_ENV} to an address of this host")
+    # "=" makes it an exact name, not a prefix (eth1 would also match eth10).
+    os.environ[NCCL_IFNAME_ENV] = f"={name}"
+    return os.environ[NCCL_IFNAME_ENV]

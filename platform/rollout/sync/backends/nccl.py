@@ -17,15 +17,19 @@ only freed when its peer process exits.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Sequence
 
 import torch
 
+from rollout.sync import net
 from rollout.sync.backends.base import SyncBackend
 from rollout.sync.backends.cuda_device import sending_device
 from rollout.sync.protocol import Member, RoundPlan
+
+logger = logging.getLogger(__name__)
 
 NCCL_BUFFERS = 2  # double buffering, vLLM's default for packed NCCL transfers
 
@@ -62,6 +66,11 @@ class NcclSender:
 
         self.phases = {}
         device = sending_device(tensors, "nccl")
+        # NCCL's bootstrap must announce the address the plan advertised (the one the
+        # replicas proved they reach), not the interface NCCL would pick by itself.
+        pinned = net.pin_nccl_interface(net.Choice(plan.master_address, "the address the publisher advertised"))
+        if pinned:
+            logger.info("NCCL's socket interface set to %s (%s=%s), the one holding %s", pinned.lstrip("="), net.NCCL_IFNAME_ENV, pinned, plan.master_address)
         t0 = time.perf_counter()
         # trainer_init and the producer's buffers use the current device: make it ours.
         with torch.cuda.device(device):
