@@ -103,3 +103,28 @@ def test_the_python_tool_section_shows_both_sandboxes_and_the_paired_overhead(tm
     text = report.render(tmp_path)
     assert "bubblewrap 0.8.0, isolation `bubblewrap+seccomp+cgroup-v1`; 2 CPUs (test cpu), Python 3.11.7, kernel 6.1.0" in text
     assert "| `print(6*7)` | 17.6 (17.1-17.8) | 33.1 (27.5-34.5) | **15.6 (10.5-17.7)** | 1.89x (1.56-1.95) |" in text
+
+
+def test_the_hosts_publish_table_comes_from_the_json_and_a_bench_that_could_not_run_says_why(tmp_path):
+    def summary(median):
+        return {"median_s": median, "interval_90_s": [median - 0.01, median + 0.02], "rounds_s": [median] * 3}
+
+    result = {
+        "benchmark": "hosts_publish",
+        "bytes": 120_000_000,
+        "backend": "gloo",
+        "replicas": 1,
+        "rounds": 3,
+        "order": "interleaved",
+        "links": "a veth pair",
+        "one_host": {"first_s": summary(0.5), "kept_s": summary(0.25)},
+        "two_hosts": {"first_s": summary(0.55), "kept_s": summary(0.3)},
+        "two_hosts_vs_one_host": {"first_s": {"median": 1.1, "interval_90": [1.0, 1.2]}, "kept_s": {"median": 1.2, "interval_90": [1.1, 1.3]}},
+        "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11"},
+    }
+    (tmp_path / "hosts_publish.json").write_text(json.dumps(result))
+    text = report.render(tmp_path)
+    assert "| forms the group | 0.500 (0.490-0.520) | 0.550 (0.540-0.570) | 1.10x (1.00-1.20) |" in text
+    assert "| reuses the group | 0.250 (0.240-0.270) | 0.300 (0.290-0.320) | 1.20x (1.10-1.30) |" in text
+    (tmp_path / "hosts_publish.json").write_text(json.dumps({"benchmark": "hosts_publish", "skipped": "making network namespaces needs root"}))
+    assert "**hosts_publish**: did not run (making network namespaces needs root)." in report.render(tmp_path)

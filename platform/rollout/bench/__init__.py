@@ -19,7 +19,7 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream", "python_tool")
+BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream", "python_tool", "hosts_publish")
 # Benchmarks that run no model: `--only` these builds none.
 WITHOUT_MODEL = ("python_tool",)
 
@@ -50,4 +50,8 @@ def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCH
         from rollout.bench.python_tool import run as run_python_tool
 
         write_result(out_dir, "python_tool", run_python_tool())
+    if "hosts_publish" in only:
+        from rollout.bench.hosts_publish import run as run_hosts_publish
+
+        write_result(out_dir, "hosts_publish", run_hosts_publish(model_dir.parent))
     return 0

@@ -205,12 +205,36 @@ def python_tool(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _s(m: dict[str, Any]) -> str:
+    """A median with its 90% interval, seconds."""
+    low, high = m["interval_90_s"]
+    return f"{m['median_s']:.3f} ({low:.3f}-{high:.3f})"
+
+
+def hosts_publish(r: dict[str, Any]) -> list[str]:
+    if "skipped" in r:
+        return [f"**hosts_publish**: did not run ({r['skipped']})."]
+    lines = [
+        f"**hosts_publish** (`WeightPublisher.http`, {r['backend']}, into {r['replicas']} replica of the medium model, {r['bytes'] / 1e6:.0f} MB; "
+        f"the trainer on the replica's host or on a host of its own ({r['links']}); {r['rounds']} rounds, {r['order']}; {_machine(r)}). "
+        "Seconds, medians (90% interval); the ratio is paired round by round.",
+        "",
+        "| publish | one host s | two hosts s | two hosts / one host |",
+        "|---|---|---|---|",
+    ]
+    for key, label in (("first_s", "forms the group"), ("kept_s", "reuses the group")):
+        ratio = r["two_hosts_vs_one_host"][key]
+        lines.append(f"| {label} | {_s(r['one_host'][key])} | {_s(r['two_hosts'][key])} | {_x(ratio['median'])} ({ratio['interval_90'][0]:.2f}-{ratio['interval_90'][1]:.2f}) |")
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_throughput": engine_throughput,
     "weight_sync": weight_sync,
     "scaling": scaling,
     "rollout_stream": rollout_stream,
     "python_tool": python_tool,
+    "hosts_publish": hosts_publish,
     "soak": soak,
 }
 
