@@ -160,12 +160,15 @@ def render(runs: list[tuple[dict[str, Any], str]]) -> str:
     for name, (title, summary) in CHECKS.items():
         if name not in checks:
             continue
-        cell = summary(checks[name].get("metrics") or {})
+        metrics = checks[name].get("metrics")
+        # A check this run did not reach has no numbers of its own: say nothing rather
+        # than a row of "None".
+        cell = summary(metrics) if metrics else ""
         if checks[name].get("outcome") != "passed":
             passed = next(((r, s) for r, s in older if r["checks"].get(name, {}).get("outcome") == "passed"), None)
             if passed is not None:
                 r, s = passed
-                cell += f"<br>Last passed {r['started'][:16].replace('T', ' ')} UTC (`{s}`): {summary(r['checks'][name].get('metrics') or {})}"
+                cell += f"{'<br>' if cell else ''}Last passed {r['started'][:16].replace('T', ' ')} UTC (`{s}`): {summary(r['checks'][name].get('metrics') or {})}"
         lines.append(f"| {title} | {_outcome(checks[name])} | {cell} |")
     others = {k: v for k, v in checks.items() if k not in CHECKS}
     if others:

@@ -87,6 +87,28 @@ def pytest_collection_modifyitems(config, items):
     _record.save()
 
 
+def pytest_deselected(items):
+    """A run of some checks (``-k``) still lists the others, as not run and why: the
+    README's table then shows where each of them last passed."""
+    if _record is None:
+        return
+    for item in items:
+        if _is_gpu_test(item.nodeid):
+            entry = _record.check(item.nodeid)
+            entry["outcome"] = "not run"
+            entry["reason"] = f"deselected: this run selected -k {item.config.option.keyword!r}" if item.config.option.keyword else "deselected"
+    _record.save()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Each phase's report on the test item (item.rep_setup, item.rep_call), for fixtures
+    # that clean up after a failed check.
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
 def pytest_runtest_logreport(report):
     if _record is None or not _is_gpu_test(report.nodeid):
         return

@@ -2,18 +2,24 @@
 tensor parallelism and a trainer killed mid-publish, with the numbers the README quotes.
 
 Run by ``tests/gpu/check.sh`` on a lent machine with two GPUs (see the README, "Verified
-on GPU"); skipped elsewhere. The checks run in file order and share one Ray cluster and
-the models the script built: a ~1.5B-parameter bf16 Qwen2-shaped model
-(``rollout.modelbuild`` preset ``1.5b``) and a perturbed copy of it saved as a checkpoint.
-The serving app (one NCCL replica) carries the checks from serving to catch-up in turn:
-serving, the OpenAI SDK, NCCL publishes, vLLM's RL routes, a trainer killed mid-publish,
-then scaling it to two replicas; one app deployed once saves the machine's time. The IPC
-and tensor-parallel checks deploy their own apps; each app is deleted before the next, so
-the next one finds the GPUs free.
+on GPU"); skipped elsewhere. The models are the ones the script built: a ~1.5B-parameter
+bf16 Qwen2-shaped model (``rollout.modelbuild`` preset ``1.5b``) and a perturbed copy of
+it saved as a checkpoint.
+
+Every check sets up what it needs, so any subset runs (``check.sh run 900 -k ipc``).
+What they share is shared on purpose, through one :class:`Stage` per run: the Ray
+cluster, at most one platform app at a time (every app serves at route prefix ``/``,
+and a GPU holds at most two engines), the bare vLLM engine the checks compare against,
+and the greedy references computed on it once. A check asks the stage for an app by its
+config: the stage reuses the running one when it matches (one deploy carries the checks
+from serving to catch-up, which saves the machine's time) and otherwise deletes it and
+deploys. A check that fails leaves its app and engine to be deleted, so the next check
+starts from a clean stage rather than from what the failure left.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -21,7 +27,9 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -43,11 +51,11 @@ THROUGHPUT_CONCURRENCY = (64, 256)
 THROUGHPUT_ROUNDS = 3
 THROUGHPUT_TOKENS = 128
 PUBLISHES = 4  # the first forms the NCCL group; the rest are the steady state
-# Below this a GPU holds no engine (a replica takes gpu_memory_utilization of ~80 GB).
+# Below this a GPU holds no engine (a replica takes gpu_memory_utilization of ~80 GB);
+# an engine that starts or stops moves a GPU's memory by more than this.
 GPU_IDLE_BYTES = 8 << 30
-
-# What the checks hand on to later ones (the perturbed policy's greedy reference, ...).
-state: dict = {}
+# The app most checks share: one replica, synced over NCCL from the other GPU.
+SERVING_APP = "gpu-nccl"
 
 
 # ---- helpers ----------------------------------------------------------------------
@@ -81,6 +89,9 @@ def platform_cfg(app: str, backend: str, replicas: int = 1, **model_overrides):
             # Short health-check period: a replica whose engine is blocked is replaced quickly.
             "deployment": {"replicas": replicas, "health_check_period_s": 2.0},
             "sync": {"backend": backend, "timeout_s": 20},
+            # The lent GPU image has no bubblewrap, which the python tool's sandbox needs (a
+            # replica with the tool on refuses to start without it); no GPU check uses tools.
+            "tools": {"python": {"enabled": False}},
         },
         environ={},
     )
@@ -100,14 +111,6 @@ def deploy(cfg, timeout_s: float = 600.0) -> float:
     finally:
         pool.shutdown(wait=False)
     return time.perf_counter() - t0
-
-
-def delete(app: str, timeout_s: float = 120.0) -> None:
-    """Delete ``app`` and wait until its engines have given their GPU memory back."""
-    from ray import serve
-
-    serve.delete(app)
-    wait_for(lambda: all(used < GPU_IDLE_BYTES for used in gpu_memory_used()), timeout_s, 2.0)
 
 
 def gpu_memory_used() -> list[int]:
@@ -142,12 +145,6 @@ def greedy(run, session: str | None = None) -> list[list[int]]:
     return [run(requests([p], session=session))[0] for p in PROMPTS]
 
 
-def RolloutClientFor(app: str):
-    from rollout.client import RolloutClient
-
-    return RolloutClient.connect(app_name=app)
-
-
 def on_platform(client):
     return lambda reqs: tokens(client.generate_sync(reqs))
 
@@ -166,18 +163,17 @@ def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
     return "equal" if len(got) == len(want) else f"{len(got)} results, {len(want)} expected"
 
 
-def gpu_by_memory() -> tuple[int, int]:
-    """(busiest GPU, freest GPU) by memory in use: the replica's GPU and the trainer's."""
-    used = gpu_memory_used()
-    order = sorted(range(len(used)), key=lambda i: used[i])
-    return order[-1], order[0]
-
-
 def start_engine(gpus: str, model: dict, weight_transfer: str | None = None):
     from tests.gpu.engines import BareEngine, on_gpus
 
+    import ray
+
     actor = on_gpus(BareEngine, gpus).remote()
-    seconds = __import__("ray").get(actor.start.remote(model, weight_transfer), timeout=900)
+    try:
+        seconds = ray.get(actor.start.remote(model, weight_transfer), timeout=900)
+    except BaseException:
+        ray.kill(actor)  # a half-started engine would hold its GPU memory
+        raise
     return actor, seconds
 
 
@@ -220,6 +216,7 @@ def coordinator_status(app: str) -> dict:
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 1.0):
+    """``predicate()``'s first truthy value, else its last value once ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -228,6 +225,185 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 1.0):
         if time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
+
+
+# ---- the stage: what the checks share --------------------------------------------
+
+
+@dataclass
+class App:
+    """A platform app the stage deployed, and where its replicas run."""
+
+    cfg: Any  # rollout.config.PlatformConfig
+    start_s: float  # its deploy: seconds until every replica was up
+    gpus: list[int]  # the GPUs its engines hold (their memory grew while it deployed)
+    handle: Any  # RolloutClient through the Serve handle
+    http: Any  # RolloutClient through the HTTP ingress
+    # Whether any weights were published into it: it no longer serves the model as deployed.
+    published: bool = False
+    # The version committed with the perturbed checkpoint, while its replicas serve that.
+    committed: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        return self.cfg.app_name
+
+    @property
+    def replica_gpu(self) -> int:
+        assert len(self.gpus) == 1, f"app {self.name} holds GPUs {self.gpus}, not one"
+        return self.gpus[0]
+
+    @property
+    def trainer_gpu(self) -> int:
+        """A GPU the replica does not use: an NCCL trainer's (NCCL takes one rank a GPU)."""
+        return next(g for g in range(torch.cuda.device_count()) if g != self.replica_gpu)
+
+
+@dataclass
+class Stage:
+    """What the GPU checks of one run share, each part set up when a check first needs it:
+    at most one platform app (see the module's docstring), the bare vLLM engine the checks
+    compare against, and the greedy references computed on it."""
+
+    app: Optional[App] = None
+    bare: Any = None  # a tests.gpu.engines.BareEngine actor
+    bare_gpu: Optional[int] = None
+    bare_bytes: int = 0  # GPU memory it took at start
+    bare_start_s: Optional[float] = None
+    # The weights it holds (the model or a checkpoint); None once a check sent it others.
+    bare_weights: Optional[Path] = None
+    references: dict[Path, list[list[int]]] = field(default_factory=dict)
+
+    # -- apps
+
+    def app_for(self, cfg) -> App:
+        """``cfg``'s app, deployed unless it runs already with exactly this config. Another
+        app is deleted first: every app serves at route prefix ``/``."""
+        from rollout.client import RolloutClient
+
+        if self.app is not None and self.app.cfg == cfg:
+            return self.app
+        self.release_app()
+        before = gpu_memory_used()
+        seconds = deploy(cfg)
+        gpus = grown(before)
+        expected = cfg.deployment.replicas * cfg.model.tensor_parallel_size
+        if len(gpus) != expected:
+            raise RuntimeError(f"app {cfg.app_name}: {expected} engine(s) started, but GPU memory grew on GPUs {gpus} ({before} -> {gpu_memory_used()} bytes)")
+        self.app = App(
+            cfg=cfg,
+            start_s=seconds,
+            gpus=gpus,
+            handle=RolloutClient.connect(app_name=cfg.app_name, batch_size=cfg.deployment.client_batch_size),
+            http=RolloutClient.http(f"http://127.0.0.1:{HTTP_PORT}", api_key=API_KEY),
+        )
+        return self.app
+
+    def serving_app(self, *, as_deployed: bool = False) -> App:
+        """The app most checks share: one replica, synced over NCCL. ``as_deployed``: one
+        that serves the model it started with (a fresh one if weights were published)."""
+        if as_deployed and self.app is not None and self.app.published:
+            self.release_app()
+        return self.app_for(platform_cfg(SERVING_APP, "nccl"))
+
+    def rescale(self, cfg) -> float:
+        """Redeploy the running app with ``cfg`` (its replica count changed) in place; seconds
+        until every replica is up."""
+        app = self.app
+        assert app is not None and app.name == cfg.app_name, (app, cfg.app_name)
+        before = gpu_memory_used()
+        seconds = deploy(cfg)
+        app.cfg, app.gpus = cfg, sorted(set(app.gpus) | set(grown(before)))
+        return seconds
+
+    def commit_perturbed(self, app: App, perturbed: Path) -> int:
+        """The app's replicas on the perturbed policy, committed with its checkpoint (what a
+        new or replacing replica reloads): published over NCCL from the trainer's GPU
+        unless a check left them so. Returns the committed version."""
+        from rollout.sync import WeightPublisher
+
+        if app.committed is None:
+            app.published = True
+            tensors = load_weights(perturbed, f"cuda:{app.trainer_gpu}")
+            pub = WeightPublisher.connect(app_name=app.name, backend="nccl")
+            try:
+                app.committed = pub.publish(tensors, checkpoint=str(perturbed))
+            finally:
+                pub.close()
+                del tensors
+                torch.cuda.empty_cache()
+        return app.committed
+
+    def release_app(self) -> None:
+        """Delete the app, and wait until its engines have given their GPU memory back."""
+        from ray import serve
+
+        if self.app is None:
+            return
+        app, self.app = self.app, None
+        serve.delete(app.name)
+        limit = [GPU_IDLE_BYTES + (self.bare_bytes if g == self.bare_gpu else 0) for g in range(torch.cuda.device_count())]
+        if not wait_for(lambda: all(u < m for u, m in zip(gpu_memory_used(), limit)), 180, 2.0):
+            raise RuntimeError(f"app {app.name} deleted, but after 180 s the GPUs still use {gpu_memory_used()} bytes (expected below {limit})")
+
+    # -- the bare engine and the references
+
+    def bare_engine(self, gpu: Optional[int] = None):
+        """The bare engine (a vLLM ``AsyncLLM`` with the replicas' engine arguments and
+        vLLM's NCCL weight transfer) on ``gpu``, by default the app's first GPU (a replica's
+        GPU, so the trainer's stays free for NCCL), else the first; started unless it runs
+        there already."""
+        if gpu is None:
+            gpu = self.app.gpus[0] if self.app is not None else 0
+        if self.bare is not None and self.bare_gpu != gpu:
+            self.stop_bare()
+        if self.bare is None:
+            before = gpu_memory_used()[gpu]
+            self.bare, self.bare_start_s = start_engine(str(gpu), platform_cfg(SERVING_APP, "nccl").model.model_dump(mode="json"), weight_transfer="nccl")
+            self.bare_gpu, self.bare_bytes, self.bare_weights = gpu, gpu_memory_used()[gpu] - before, MODEL
+        return self.bare
+
+    def stop_bare(self) -> None:
+        """Stop the bare engine, and wait until its GPU memory is back."""
+        if self.bare is None:
+            return
+        actor, gpu, held = self.bare, self.bare_gpu, self.bare_bytes
+        self.bare, self.bare_gpu, self.bare_bytes, self.bare_weights = None, None, 0, None
+        limit = gpu_memory_used()[gpu] - held + GPU_IDLE_BYTES
+        stop(actor)
+        if not wait_for(lambda: gpu_memory_used()[gpu] < limit, 120, 2.0):
+            raise RuntimeError(f"the bare engine stopped, but after 120 s GPU {gpu} still uses {gpu_memory_used()[gpu]} bytes (expected below {limit})")
+
+    def reference(self, weights: Path) -> list[list[int]]:
+        """Greedy tokens of every prompt from the bare engine holding ``weights``: the model
+        it started with, or a checkpoint vLLM itself reloaded. Computed once a run."""
+        import ray
+
+        if weights not in self.references:
+            bare = self.bare_engine(self.bare_gpu)
+            if self.bare_weights != weights:
+                self.bare_weights = None
+                ray.get(bare.reload.remote(str(weights)), timeout=300)
+                self.bare_weights = weights
+            self.references[weights] = greedy(on_engine(bare))
+        return self.references[weights]
+
+    def reset(self) -> None:
+        """Delete the app and stop the bare engine (after a failed check: whatever it left
+        half-done; at the run's end: everything)."""
+        errors = []
+        for step in (self.release_app, self.stop_bare):
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - both steps run; the errors are raised together below
+                errors.append(f"{step.__name__}: {type(e).__name__}: {e}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+
+def grown(before: list[int]) -> list[int]:
+    """GPUs whose memory in use grew by an engine's worth since ``before``."""
+    return [g for g, (a, b) in enumerate(zip(before, gpu_memory_used())) if b - a > GPU_IDLE_BYTES]
 
 
 # ---- fixtures ---------------------------------------------------------------------
@@ -251,6 +427,26 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
+def stage(cluster):
+    s = Stage()
+    yield s
+    s.reset()
+
+
+@pytest.fixture(autouse=True)
+def _clean_stage_after_a_failure(request, stage):
+    """A check that failed may leave its app mid-round or its engine mid-update: the next
+    check starts without them (the stage sets up again what it needs)."""
+    yield
+    reports = [getattr(request.node, f"rep_{when}", None) for when in ("setup", "call")]
+    if any(r is not None and r.failed for r in reports):
+        try:
+            stage.reset()
+        except Exception:  # noqa: BLE001 - the check's own failure stays its record; the next check's set-up fails loudly if the GPUs are not free
+            logging.getLogger(__name__).exception("cleaning up after %s failed", request.node.name)
+
+
+@pytest.fixture(scope="module")
 def perturbed(cluster) -> Path:
     """A checkpoint of the model with every tensor perturbed (the 'trained' policy),
     saved like ``save_pretrained`` where every replica can read it."""
@@ -258,7 +454,7 @@ def perturbed(cluster) -> Path:
 
     out = WORK / "checkpoint-perturbed"
     if not (out / "model.safetensors").exists():
-        device = f"cuda:{state.get('trainer_gpu', 1)}"
+        device = f"cuda:{torch.cuda.device_count() - 1}"
         tensors = load_weights(MODEL, device)
         g = torch.Generator(device=device).manual_seed(1234)
         with torch.no_grad():
@@ -278,27 +474,18 @@ def perturbed(cluster) -> Path:
 # ---- serving -------------------------------------------------------------------
 
 
-def test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput(cluster, record):
+def test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput(stage, record):
     """Greedy through the handle and HTTP equals a fresh engine with the same arguments on
     the same GPU; then rollout tok/s through the handle and HTTP against that bare
     ``AsyncLLM``, same requests, rounds interleaved."""
     import ray
 
-    from rollout.client import RolloutClient
-
-    cfg = platform_cfg("gpu-nccl", "nccl")
-    record(replica_start_s=round(deploy(cfg), 1), model_parameters_b=round(parameter_count(MODEL) / 1e9, 3))
-    replica_gpu, trainer_gpu = gpu_by_memory()
-    state.update(replica_gpu=replica_gpu, trainer_gpu=trainer_gpu)
-    handle = RolloutClient.connect(app_name=cfg.app_name, batch_size=cfg.deployment.client_batch_size)
-    http = RolloutClient.http(f"http://127.0.0.1:{HTTP_PORT}", api_key=API_KEY)
-    state.update(handle=handle, http=http, app=cfg.app_name)
-
-    bare, start_s = start_engine(str(replica_gpu), cfg.model.model_dump(mode="json"), weight_transfer="nccl")
-    state["bare"] = bare
-    record(bare_engine_start_s=round(start_s, 1), replica_gpu=replica_gpu)
-    want = greedy(on_engine(bare))
-    state["reference_v0"] = want
+    app = stage.serving_app(as_deployed=True)
+    handle, http = app.handle, app.http
+    record(replica_start_s=round(app.start_s, 1), model_parameters_b=round(parameter_count(MODEL) / 1e9, 3))
+    bare = stage.bare_engine(app.replica_gpu)
+    record(bare_engine_start_s=round(stage.bare_start_s, 1), replica_gpu=app.replica_gpu)
+    want = stage.reference(MODEL)
     via_handle = greedy(on_platform(handle))
     via_http = greedy(on_platform(http))
     record(handle_greedy=first_mismatch(via_handle, want), http_greedy=first_mismatch(via_http, want))
@@ -339,14 +526,14 @@ def test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput(clus
 # ---- OpenAI front door ---------------------------------------------------------
 
 
-def test_the_openai_sdk_through_the_platform_gets_the_fresh_engines_greedy_tokens(cluster, record):
+def test_the_openai_sdk_through_the_platform_gets_the_fresh_engines_greedy_tokens(stage, record):
     """The stock OpenAI SDK against the platform's /v1/completions (vLLM's own OpenAI
     layer on each replica): greedy completions of the token prompts, their token ids
     returned by vLLM's ``return_token_ids``, equal the fresh engine's."""
     import openai
 
-    if "reference_v0" not in state:
-        pytest.skip("not run: the serving check left no reference")
+    stage.serving_app(as_deployed=True)
+    want = stage.reference(MODEL)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     got, versions = [], set()
@@ -357,7 +544,6 @@ def test_the_openai_sdk_through_the_platform_gets_the_fresh_engines_greedy_token
         )
         versions.add(raw.headers.get("x-rollout-weight-version"))
         got.append(list(raw.parse().choices[0].token_ids))
-    want = state["reference_v0"]
     record(model=model, seconds=round(time.perf_counter() - t0, 2), greedy=first_mismatch(got, want), weight_version_headers=sorted(map(str, versions)))
     assert got == want, first_mismatch(got, want)
     assert None not in versions, versions
@@ -366,10 +552,10 @@ def test_the_openai_sdk_through_the_platform_gets_the_fresh_engines_greedy_token
 # ---- NCCL publish --------------------------------------------------------------
 
 
-def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(cluster, perturbed, record):
+def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(stage, perturbed, record):
     """A trainer that sees both GPUs publishes from the one the replica does not use
-    (its tensors on ``cuda:<trainer>``, its current device ``cuda:0``); then the wire
-    floor (raw NCCL broadcast of the same bytes) and one RPC + broadcast per tensor."""
+    (its tensors on ``cuda:<trainer>``, its current device the replica's GPU); then the
+    wire floor (raw NCCL broadcast of the same bytes) and one RPC + broadcast per tensor."""
     import ray
     from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group, trainer_init
 
@@ -377,33 +563,40 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
     from rollout.sync.net import free_port, own_address
     from tests.gpu.engines import FloorReceiver, on_gpus
 
-    if "app" not in state:
-        pytest.skip("not run: the serving check did not deploy the app")
-    # The trainer sees both GPUs; its tensors are on the one the replica does not use,
-    # whatever its current device is (the smoke test's `NCCL error: invalid usage`).
-    trainer = torch.device("cuda", state["trainer_gpu"])
+    app = stage.serving_app()
+    # The bare engine shares the replica's GPU: the trainer's GPU takes no second NCCL rank.
+    bare = stage.bare_engine(app.replica_gpu)
+    reference_v0 = stage.reference(MODEL)
+    # The reference: the same bare engine, reloaded by vLLM itself from the checkpoint.
+    want = stage.reference(perturbed)
+    # The trainer sees both GPUs; its tensors are on the one the replica does not use, and
+    # its current device is the replica's, wherever Serve put the replica (the smoke
+    # test's `NCCL error: invalid usage` came from a communicator on the current device).
+    trainer = torch.device("cuda", app.trainer_gpu)
     tensors = load_weights(perturbed, str(trainer))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    record(trainer_gpu=trainer.index, current_device=torch.cuda.current_device(), bytes=nbytes, tensors=len(tensors))
 
-    pub = WeightPublisher.connect(app_name=state["app"], backend="nccl")
+    app.published = True
+    pub = WeightPublisher.connect(app_name=app.name, backend="nccl")
     seconds, phases = [], []
-    for _ in range(PUBLISHES):
-        t0 = time.perf_counter()
-        version = pub.publish(tensors, checkpoint=str(perturbed))
-        seconds.append(round(time.perf_counter() - t0, 4))
-        phases.append({"trainer": {k: round(v, 4) for k, v in pub.last_phases.items()}, "replicas": pub.last_outcome.phases})
-    state["committed"] = version
+    with torch.cuda.device(app.replica_gpu):
+        record(trainer_gpu=trainer.index, current_device=torch.cuda.current_device(), bytes=nbytes, tensors=len(tensors))
+        for _ in range(PUBLISHES):
+            t0 = time.perf_counter()
+            version = pub.publish(tensors, checkpoint=str(perturbed))
+            seconds.append(round(time.perf_counter() - t0, 4))
+            phases.append({"trainer": {k: round(v, 4) for k, v in pub.last_phases.items()}, "replicas": pub.last_outcome.phases})
+    pub.close()
+    app.committed = version
     record(publish_s=seconds, publish_phases=phases, version=version)
 
-    results = [state["handle"].generate_sync(requests([p]))[0] for p in PROMPTS]
+    results = [app.handle.generate_sync(requests([p]))[0] for p in PROMPTS]
     got = tokens(results)
     spans = {s.version for r in results for s in r.samples[0].weight_versions}
 
-    # The reference: the same bare engine, reloaded by vLLM itself from the checkpoint.
-    bare = state["bare"]
-    # One RPC + one broadcast per tensor into that engine (OpenRLHF-style loops).
+    # One RPC + one broadcast per tensor into the bare engine (OpenRLHF-style loops).
     address, port = own_address(), free_port()
+    stage.bare_weights = None  # what it holds next is the per-tensor rounds' doing
     with torch.cuda.device(trainer):
         begun = bare.begin_update.remote(address, port, 2)
         group = trainer_init({"master_address": address, "master_port": port, "world_size": 2})
@@ -418,13 +611,10 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
         ray.get(bare.finish_update.remote("per-tensor"), timeout=120)
         per_tensor_s = time.perf_counter() - t0
         group.destroy()
-    reload_s = ray.get(bare.reload.remote(str(perturbed)), timeout=300)
-    want = greedy(on_engine(bare))
-    state["reference_perturbed"] = want
-    record(per_tensor_rpc_s=round(per_tensor_s, 4), reference_reload_s=round(reload_s, 2))
+    record(per_tensor_rpc_s=round(per_tensor_s, 4))
 
     # The wire floor: the same bytes, one flat NCCL broadcast GPU to GPU, group formed beforehand.
-    receiver = on_gpus(FloorReceiver, str(state["replica_gpu"])).remote()
+    receiver = on_gpus(FloorReceiver, str(app.replica_gpu)).remote()
     port = free_port()
     with torch.cuda.device(trainer):
         joined = receiver.join.remote(address, port)
@@ -467,32 +657,33 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(c
         goal="publish_vs_wire <= 2",
         served_spans=sorted(spans),
         greedy=first_mismatch(got, want),
-        greedy_changed=got != state["reference_v0"],
+        greedy_changed=got != reference_v0,
     )
     del tensors, flat
     torch.cuda.empty_cache()
     assert got == want, first_mismatch(got, want)
-    assert got != state["reference_v0"], "the published weights did not change the served tokens"
+    assert got != reference_v0, "the published weights did not change the served tokens"
     assert spans == {str(version)}, spans
 
 
 # ---- vLLM's RL routes ----------------------------------------------------------
 
 
-def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through_the_routes(cluster, perturbed, record):
+def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through_the_routes(stage, perturbed, record):
     """vLLM's own NCCL trainer engine, through the platform's RL routes (vLLM's HTTP client
     with the sync token): /pause (keep) → /get_world_size → /init_weight_transfer_engine →
     /start_weight_update → /update_weights + broadcast → /finish_weight_update → /resume.
-    It sends the original weights back; served greedy must equal the fresh engine's."""
+    The replicas serve the perturbed policy; it sends the original weights back, and
+    served greedy must equal the fresh engine's."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
-    from rollout.sync import WeightPublisher
     from rollout.sync.net import free_port, own_address
     from rollout.sync.route_client import WeightRoutesClient
 
-    if "reference_perturbed" not in state:
-        pytest.skip("not run: the NCCL check left no committed perturbed policy")
+    app = stage.serving_app()
+    reference_v0 = stage.reference(MODEL)
+    stage.commit_perturbed(app, perturbed)
 
     class Tensors(WeightSource):
         def __init__(self, tensors):
@@ -504,10 +695,11 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
         def __iter__(self):
             return iter(self.tensors.items())
 
-    trainer = torch.device("cuda", state["trainer_gpu"])
+    trainer = torch.device("cuda", app.trainer_gpu)
     routes = WeightRoutesClient(f"http://127.0.0.1:{HTTP_PORT}", token=os.environ["ROLLOUT_SYNC_TOKEN"])
     before = int(routes.weight_version())
     rounds = []
+    app.committed = None  # the rounds below commit other weights, without a checkpoint
     with torch.cuda.device(trainer):
         t0 = time.perf_counter()
         routes.pause(mode="keep")
@@ -521,18 +713,18 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
             rounds.append(round(time.perf_counter() - t1, 4))
         routes.resume()
     version = int(routes.weight_version())
-    results = [state["handle"].generate_sync(requests([p]))[0] for p in PROMPTS]
+    results = [app.handle.generate_sync(requests([p]))[0] for p in PROMPTS]
     got = tokens(results)
     spans = {s.version for r in results for s in r.samples[0].weight_versions}
-    record(world_size=world, init_s=round(init_s, 3), round_s=rounds, versions=[before, version], greedy=first_mismatch(got, state["reference_v0"]))
+    record(world_size=world, init_s=round(init_s, 3), round_s=rounds, versions=[before, version], greedy=first_mismatch(got, reference_v0))
     engine.shutdown()
     del engine
     torch.cuda.empty_cache()
-    # Put the perturbed policy back, with its checkpoint, for the catch-up check.
-    state["committed"] = WeightPublisher.connect(app_name=state["app"], backend="nccl").publish(load_weights(perturbed, str(trainer)), checkpoint=str(perturbed))
-    torch.cuda.empty_cache()
+    # The perturbed policy back, with its checkpoint: the app as the checks after this one
+    # find it when they run in the same run (they would publish it themselves otherwise).
+    stage.commit_perturbed(app, perturbed)
     assert version == before + 3, (before, version)
-    assert got == state["reference_v0"], first_mismatch(got, state["reference_v0"])
+    assert got == reference_v0, first_mismatch(got, reference_v0)
     assert spans == {str(version)}, spans
 
 
@@ -567,16 +759,15 @@ WeightPublisher.connect(app_name=app, backend="nccl").publish(tensors)
 """
 
 
-def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_version(cluster, perturbed, record):
+def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_version(stage, perturbed, record):
     """On the serving app, where the perturbed policy is committed with its checkpoint, a
     second trainer process publishes the original weights and is killed with half of the
     buckets delivered."""
-    if "committed" not in state or "reference_perturbed" not in state:
-        pytest.skip("not run: the NCCL checks left no committed perturbed policy")
-    if "bare" in state:
-        stop(state.pop("bare"))  # frees the replica GPU's second engine for the replacement replica
-    cfg = platform_cfg(state["app"], "nccl")
-    trainer_gpu, committed = state["trainer_gpu"], state["committed"]
+    app = stage.serving_app()
+    want = stage.reference(perturbed)
+    committed = stage.commit_perturbed(app, perturbed)
+    stage.stop_bare()  # the replica GPU's second engine: a replacement replica may need its memory
+    cfg, trainer_gpu = app.cfg, app.trainer_gpu
     before = coordinator_status(cfg.app_name)
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -596,8 +787,7 @@ def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_vers
     record(trainer_output_tail=lines[-5:], killed_midway=any(l.startswith("MIDWAY") for l in lines))
     assert any(l.startswith("MIDWAY") for l in lines), "\n".join(lines[-20:])
 
-    client = RolloutClientFor(cfg.app_name)
-    want = state["reference_perturbed"]
+    client = app.handle
 
     def recovered():
         try:
@@ -612,6 +802,13 @@ def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_vers
 
     status = wait_for(recovered, timeout_s=300, interval_s=2.0)
     recovery_s = time.monotonic() - killed_at
+    # Serve may have replaced the replica on the other GPU: where it runs now (the only
+    # engine left on the GPUs), else a fresh app for the next check.
+    held = [g for g, used in enumerate(gpu_memory_used()) if used > GPU_IDLE_BYTES]
+    if status and len(held) == 1:
+        app.gpus = held
+    else:
+        stage.release_app()
     outcome = (status or coordinator_status(cfg.app_name)).get("last_outcome")
     record(
         recovered=bool(status),
@@ -628,58 +825,56 @@ def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_committed_vers
 # ---- catch-up ------------------------------------------------------------------
 
 
-def test_a_replica_added_after_a_commit_serves_the_committed_version_from_the_checkpoint(cluster, perturbed, record):
+def test_a_replica_added_after_a_commit_serves_the_committed_version_from_the_checkpoint(stage, perturbed, record):
     """Scale 1 -> 2 once the trainer's GPU is free: the new replica reloads the committed
     checkpoint while it starts, before Serve routes it any request."""
-    if "committed" not in state:
-        pytest.skip("not run: the NCCL check did not commit a version")
-    if "bare" in state:
-        stop(state.pop("bare"))  # frees the replica GPU's second engine
-    before = set(coordinator_status(state["app"])["replicas"])
-    scale_s = deploy(platform_cfg(state["app"], "nccl", replicas=2))
-    status = coordinator_status(state["app"])
+    app = stage.serving_app()
+    want = stage.reference(perturbed)
+    committed = stage.commit_perturbed(app, perturbed)
+    stage.stop_bare()  # no engine but the replica's on the GPUs: the new one takes the other
+    before = set(coordinator_status(app.name)["replicas"])
+    scale_s = stage.rescale(platform_cfg(app.name, "nccl", replicas=2))
+    status = coordinator_status(app.name)
     new = set(status["replicas"]) - before
     record(scale_s=round(scale_s, 1), replicas=status["replicas"], committed=status["committed_version"])
     assert len(new) == 1, status
     (new_id,) = new
-    assert status["replicas"][new_id]["version"] == state["committed"], status
+    assert status["replicas"][new_id]["version"] == committed, status
 
-    want = state["reference_perturbed"]
     seen_new, mismatches = 0, []
     for attempt in range(40):
-        results = [state["handle"].generate_sync(requests([p], session=f"catch-up-{attempt}-{i}"))[0] for i, p in enumerate(PROMPTS)]
+        results = [app.handle.generate_sync(requests([p], session=f"catch-up-{attempt}-{i}"))[0] for i, p in enumerate(PROMPTS)]
         for r, w in zip(results, want):
             if r.samples[0].token_ids != w:
                 mismatches.append((r.replica_id, first_mismatch([r.samples[0].token_ids], [w])))
             if r.replica_id == new_id:
                 seen_new += 1
-                assert {s.version for s in r.samples[0].weight_versions} == {str(state["committed"])}
+                assert {s.version for s in r.samples[0].weight_versions} == {str(committed)}
         if seen_new >= len(PROMPTS):
             break
     record(results_from_new_replica=seen_new, mismatches=mismatches[:5])
     assert seen_new > 0, "no request reached the new replica"
     assert not mismatches, mismatches[:5]
-    delete(state["app"])
 
 
 # ---- IPC publish ---------------------------------------------------------------
 
 
-def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(cluster, perturbed, record):
+def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, perturbed, record):
     from rollout.sync import WeightPublisher
 
-    if "reference_perturbed" not in state:
-        pytest.skip("not run: the NCCL check produced no reference for the perturbed weights")
-    cfg = platform_cfg("gpu-ipc", "ipc")
-    record(replica_start_s=round(deploy(cfg), 1))
-    replica_gpu, _ = gpu_by_memory()
+    app = stage.app_for(platform_cfg("gpu-ipc", "ipc"))
+    record(replica_start_s=round(app.start_s, 1))
+    want = stage.reference(perturbed)
+    replica_gpu = app.replica_gpu
     device = torch.device("cuda", replica_gpu)
     tensors = load_weights(perturbed, str(device))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    pub = WeightPublisher.connect(app_name=cfg.app_name, backend="ipc")
+    app.published = True
+    pub = WeightPublisher.connect(app_name=app.name, backend="ipc")
     seconds = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -687,8 +882,7 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(cluster,
         seconds.append(round(time.perf_counter() - t0, 4))
     peak_growth = torch.cuda.max_memory_allocated(device) - before
     pub.close()
-    got = greedy(on_platform(RolloutClientFor(cfg.app_name)))
-    want = state["reference_perturbed"]
+    got = greedy(on_platform(app.handle))
     record(
         replica_gpu=replica_gpu,
         publish_s=seconds,
@@ -700,7 +894,6 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(cluster,
     )
     del tensors
     torch.cuda.empty_cache()
-    delete(cfg.app_name)
     assert got == want, first_mismatch(got, want)
     assert peak_growth < 0.05 * nbytes, f"the trainer's GPU memory grew by {peak_growth} bytes for {nbytes} bytes of weights"
 
@@ -708,7 +901,7 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(cluster,
 # ---- tensor parallelism --------------------------------------------------------
 
 
-def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_gloo_publish(cluster, perturbed, record):
+def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_gloo_publish(stage, perturbed, record):
     """TP=2 over both GPUs; the trainer cannot share a GPU with an NCCL rank, so the
     publish goes over gloo (the backend that fits a machine whose GPUs all serve)."""
     import ray
@@ -718,8 +911,10 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
     # Eager on both sides: TP correctness needs no CUDA graphs, and on a fresh machine
     # (cold compile cache) compiling the TP=2 graphs took 250 s of the machine's stay.
     cfg = platform_cfg("gpu-tp", "gloo", tensor_parallel_size=2, enforce_eager=True)
-    record(replica_start_s=round(deploy(cfg), 1))
-    client = RolloutClientFor(cfg.app_name)
+    stage.stop_bare()  # the TP replica and its TP reference take a share of both GPUs
+    app = stage.app_for(cfg)
+    record(replica_start_s=round(app.start_s, 1))
+    client = app.handle
     reference, start_s = start_engine("0,1", cfg.model.model_dump(mode="json"))
     try:
         want = greedy(on_engine(reference))
@@ -728,7 +923,8 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
         assert got == want, first_mismatch(got, want)
 
         tensors = load_weights(perturbed, "cpu")
-        pub = WeightPublisher.connect(app_name=cfg.app_name, backend="gloo")
+        app.published = True
+        pub = WeightPublisher.connect(app_name=app.name, backend="gloo")
         t0 = time.perf_counter()
         version = pub.publish(tensors, checkpoint=str(perturbed))
         publish_s = time.perf_counter() - t0
@@ -742,4 +938,3 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
         assert {s.version for r in results for s in r.samples[0].weight_versions} == {str(version)}
     finally:
         stop(reference)
-        delete(cfg.app_name)
