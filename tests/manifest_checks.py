@@ -1,8 +1,9 @@
 """Offline checks of Kubernetes manifests (the Helm chart's output and ``k8s/``).
 
 No cluster is needed: objects are validated against the Kubernetes API schemas shipped
-by ``kubernetes-validate``, the RayService against the KubeRay CRD's openAPIV3Schema,
-and security rules with checkov. The validators are test-time dependencies, imported
+by ``kubernetes-validate``, the RayService against the KubeRay CRD's openAPIV3Schema, the
+ServiceMonitor and PrometheusRule against the Prometheus operator's, and security rules
+with checkov. The validators are test-time dependencies, imported
 where they are used so importing this module costs nothing.
 """
 
@@ -21,6 +22,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY_CRDS_ENV = "ROLLOUT_KUBERAY_CRDS"
+# The Prometheus operator's CRDs (shared/prometheus-operator, v0.93.0): read from there, never
+# copied into the project, like KubeRay's.
+PROMETHEUS_OPERATOR_CRDS_ENV = "ROLLOUT_PROMETHEUS_OPERATOR_CRDS"
+PROMETHEUS_OPERATOR_CRD_FILES = {
+    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+    "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
+}
 # Oldest Kubernetes minor the chart supports (Chart.yaml kubeVersion) and that
 # kubernetes-validate knows; validating against it catches fields too new for users.
 KUBE_VERSION = "1.26"
@@ -62,6 +70,10 @@ def load_manifests(text: str) -> list[dict[str, Any]]:
 
 def kuberay_crd_dir() -> Path:
     return Path(os.environ.get(KUBERAY_CRDS_ENV, ROOT.parent / "shared" / "kuberay"))
+
+
+def prometheus_operator_crd_dir() -> Path:
+    return Path(os.environ.get(PROMETHEUS_OPERATOR_CRDS_ENV, ROOT.parent / "shared" / "prometheus-operator"))
 
 
 def _strict(schema: Any) -> Any:

@@ -1,8 +1,9 @@
 """The Helm chart, rendered by the real Helm engine (helm-python-sdk), checked offline.
 
 No cluster here: every rendered object is validated against the Kubernetes API schemas
-(kubernetes-validate) and the RayService against the KubeRay CRD; the Serve config must
-parse back into PlatformConfig; checkov scans for insecure pods. What only a cluster can
+(kubernetes-validate), the RayService against the KubeRay CRD and the ServiceMonitor and
+PrometheusRule against the Prometheus operator's; the Serve config must parse back into
+PlatformConfig; checkov scans for insecure pods. What only a cluster can
 show (pods starting, the operator reconciling, probes passing) is not tested.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +80,14 @@ MATRIX: dict[str, dict[str, Any]] = {
         "platform": {"model": {"path": "/models/p"}, "sync": {"enabled": False}, "tools": {"python": {"cgroups": "off"}}},
     },
     "tools-off": {"toolWorkers": {"enabled": False}},
-    "auth-not-required": {"auth": {"required": False}, "secrets": {"create": False}},
+    "auth-not-required": {"auth": {"required": False}, "secrets": {"create": False}, "rayAuth": {"enabled": False}},
 }
+
+# Helm's `--api-versions`: the kinds a cluster with the Prometheus operator serves. Helm asks
+# the API server on install and upgrade; a render here (like `helm template`) knows only the
+# built-in kinds, so the cases that render the operator's objects name them, as a user would.
+PROMETHEUS_OPERATOR_APIS = ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PrometheusRule")
+CASE_APIS: dict[str, tuple[str, ...]] = {"monitoring-on": PROMETHEUS_OPERATOR_APIS}
 
 
 def merged(values: dict[str, Any]) -> dict[str, Any]:
@@ -88,10 +96,24 @@ def merged(values: dict[str, Any]) -> dict[str, Any]:
         return chart.merge_values(values)
 
 
-def render(values: dict[str, Any]) -> dict[str, Any]:
-    """Rendered objects keyed by kind (lists), plus NOTES under "NOTES"."""
+def render_chart(values: dict[str, Any], api_versions: tuple[str, ...] = ()) -> dict[str, str]:
+    """Template path -> rendered text, like `helm template --api-versions ...`.
+
+    helm-python-sdk 0.2.2's ``Chart.render`` does not pass the option on, though the native
+    ``helm_render`` it wraps takes it (``RenderOptions.api_versions``): with API versions,
+    call that directly, with the same options ``Chart.render`` builds."""
     with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        if not api_versions:
+            return chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        from helm_python import _native
+
+        opts = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True, "api_versions": list(api_versions)}
+        return json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values), json.dumps(opts)))
+
+
+def render(values: dict[str, Any], api_versions: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Rendered objects keyed by kind (lists), plus NOTES under "NOTES"."""
+    out = render_chart(values, api_versions)
     objs: dict[str, Any] = {"NOTES": ""}
     for path, text in out.items():
         if path.endswith("NOTES.txt"):
@@ -109,7 +131,7 @@ def all_objects(objs: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module", params=list(MATRIX))
 def case(request) -> tuple[str, dict[str, Any], dict[str, Any]]:
     values = MATRIX[request.param]
-    return request.param, values, render(values)
+    return request.param, values, render(values, CASE_APIS.get(request.param, ()))
 
 
 def rayservice(objs) -> dict[str, Any]:
@@ -203,6 +225,77 @@ def test_prometheus_operator_objects_are_sane(case):
         assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
 
 
+def prometheus_operator_crd(kind: str) -> Path:
+    crd = kube.prometheus_operator_crd_dir() / kube.PROMETHEUS_OPERATOR_CRD_FILES[kind]
+    if not crd.exists():
+        pytest.skip(f"Prometheus operator CRD not found at {crd} (set {kube.PROMETHEUS_OPERATOR_CRDS_ENV} to the directory holding it)")
+    return crd
+
+
+def test_prometheus_operator_objects_validate_against_the_operator_crds(case):
+    name, _, objs = case
+    checked = 0
+    for kind in kube.PROMETHEUS_OPERATOR_CRD_FILES:
+        for o in objs.get(kind, []):
+            assert kube.crd_errors(o, prometheus_operator_crd(kind)) == [], (name, kind)
+            checked += 1
+    # The case that turns both on renders both (the check above is not vacuous).
+    if name == "monitoring-on":
+        assert checked == 2
+
+
+def test_prometheus_operator_crd_check_catches_unknown_fields_and_bad_durations():
+    objs = render(MATRIX["monitoring-on"], PROMETHEUS_OPERATOR_APIS)
+    (sm,) = copy.deepcopy(objs["ServiceMonitor"])
+    sm["spec"]["endpoints"][0]["honourLabels"] = True
+    sm["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    errors = kube.crd_errors(sm, prometheus_operator_crd("ServiceMonitor"))
+    assert any("honourLabels" in e for e in errors) and any("interval" in e for e in errors), errors
+    (rule,) = copy.deepcopy(objs["PrometheusRule"])
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "ten minutes"
+    assert any(e.startswith("spec.groups.0.rules.0.for") for e in kube.crd_errors(rule, prometheus_operator_crd("PrometheusRule")))
+
+
+MONITORING_ON = MATRIX["monitoring-on"]
+
+
+def test_monitoring_without_the_prometheus_operator_fails_naming_the_values_to_turn_off():
+    """A cluster without the operator's CRDs (Helm fills .Capabilities from the API server on
+    install): rendering fails before anything is created, instead of `helm install` failing
+    half-way on `no matches for kind "PrometheusRule"`."""
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(MONITORING_ON)
+    msg = str(err.value)
+    for api in PROMETHEUS_OPERATOR_APIS:
+        assert "does not serve" in msg and api in msg and f"--api-versions {api}" in msg
+    assert "monitoring.serviceMonitor.enabled=false" in msg and "monitoring.prometheusRule.enabled=false" in msg
+    assert "monitoring.assumeCRDs=true" in msg
+    # Only what is missing is named: a cluster serving ServiceMonitor but not PrometheusRule.
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(MONITORING_ON, PROMETHEUS_OPERATOR_APIS[:1])
+    msg = str(err.value)
+    assert "monitoring.prometheusRule.enabled=false" in msg and "--api-versions monitoring.coreos.com/v1/PrometheusRule" in msg
+    assert "ServiceMonitor" not in msg and "serviceMonitor" not in msg
+    # An object the chart does not render needs no CRD: a ServiceMonitor switched on while
+    # the metrics port is off, and the dashboard (a ConfigMap).
+    objs = render(MATRIX["monitoring-off"])
+    assert "ServiceMonitor" not in objs and "PrometheusRule" not in objs
+    assert "ConfigMap" in render({"monitoring": {"dashboard": {"enabled": True}}})
+
+
+def test_monitoring_renders_anyway_with_api_versions_or_assume_crds():
+    """`helm template` in GitOps: no cluster to ask, so the user says the kinds exist."""
+    with_apis = render(MONITORING_ON, PROMETHEUS_OPERATOR_APIS)
+    assumed = render({"monitoring": {**MONITORING_ON["monitoring"], "assumeCRDs": True}})
+    for objs in (with_apis, assumed):
+        assert [o["kind"] for o in objs["ServiceMonitor"] + objs["PrometheusRule"]] == ["ServiceMonitor", "PrometheusRule"]
+        for kind in ("ServiceMonitor", "PrometheusRule"):
+            assert f"{kind} {RELEASE}-rollout-platform" in objs["NOTES"]
+    # The same objects either way.
+    assert with_apis["ServiceMonitor"] == assumed["ServiceMonitor"] and with_apis["PrometheusRule"] == assumed["PrometheusRule"]
+    assert "assumeCRDs" in json.loads(SCHEMA_PATH.read_text())["properties"]["monitoring"]["properties"]
+
+
 def test_serve_config_parses_back_into_platform_config(case):
     name, values, objs = case
     app = kube.serve_app(rayservice(objs))
@@ -267,7 +360,7 @@ def test_secrets_by_reference_only(case):
         assert "Secret" not in objs
     else:
         (s,) = objs["Secret"]
-        assert set(s["data"]) == {"api-key", "sync-token"}
+        assert set(s["data"]) == {"api-key", "sync-token"} | ({"auth_token"} if merged(values)["rayAuth"]["enabled"] else set())
 
 
 def test_gpus_replicas_and_autoscaler(case):
@@ -410,7 +503,7 @@ def test_network_policy_admits_only_trainers_to_serve_port():
 def test_dashboard_and_rules_ship_the_k8s_copies():
     for name in ("grafana-dashboard.json", "rollout-rules.yaml"):
         assert (CHART / "files" / name).read_bytes() == (ROOT / "k8s" / "monitoring" / name).read_bytes(), name
-    objs = render({"monitoring": {"dashboard": {"enabled": True}, "prometheusRule": {"enabled": True}}})
+    objs = render({"monitoring": {"dashboard": {"enabled": True}, "prometheusRule": {"enabled": True}}}, PROMETHEUS_OPERATOR_APIS)
     (cm,) = objs["ConfigMap"]
     assert cm["data"]["rollout-platform.json"].strip() == (CHART / "files" / "grafana-dashboard.json").read_text().strip()
     (rule,) = objs["PrometheusRule"]
@@ -430,6 +523,9 @@ INVALID = [
     ({"secrets": {"create": False}}, "secrets.existingSecret"),
     ({"secrets": {"create": False, "existingSecret": ""}}, "auth.required is true but no API key or sync token is configured"),
     ({"toolWorkers": {"replicas": 9}}, "toolWorkers.replicas (9)"),
+    ({"rayAuth": {"token": "short"}}, "rayAuth.token must be at least 32 characters"),
+    ({"rayVersion": "2.50.0"}, "rayAuth.enabled needs Ray 2.52 or newer"),
+    ({"auth": {"required": False}, "secrets": {"create": False}}, "rayAuth.enabled is true but there is no Secret"),
     ({"toolWorkers": {"resource": 'bad"name'}}, "/toolWorkers/resource"),
     ({"toolWorkers": {"podSecurityContext": {"runAsNonRoot": False, "runAsUser": 0}}}, "/toolWorkers/podSecurityContext"),
     ({"toolWorkers": {"seccompProfile": {"type": "Bogus"}}}, "/toolWorkers/seccompProfile"),
@@ -453,7 +549,7 @@ def test_checkov(tmp_path):
     if kube.checkov_binary() is None:
         pytest.skip("checkov not found on PATH or in .venv-tools (see helm/rollout-platform/README.md)")
     for name, values in MATRIX.items():
-        objs = render(values)
+        objs = render(values, CASE_APIS.get(name, ()))
         flat = all_objects(objs) + kube.embedded_objects(rayservice(objs))
         d = tmp_path / name
         d.mkdir()
@@ -687,3 +783,61 @@ def test_seccomp_profile_shipped_for_the_tool_pods_allows_bwrap_and_nothing_wide
     # The values point at it by the path the docs tell admins to install it under.
     assert merged({})["toolWorkers"]["seccompProfile"]["localhostProfile"] == "rollout-platform/bwrap.json"
     assert "rollout-platform/bwrap.json" in (ROOT / "docs" / "kubernetes-tool-sandbox.md").read_text()
+
+
+def test_ray_token_authentication_is_on_with_its_token_in_the_charts_secret():
+    """KubeRay's authOptions: every Ray container gets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN
+    from the Secret's auth_token key (KubeRay's), so a pod without the token reaches no
+    Ray service; the token is kept across upgrades like the other generated keys."""
+    objs = render({})
+    (secret,) = objs["Secret"]
+    assert rayservice(objs)["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": secret["metadata"]["name"]}
+    assert len(base64.b64decode(secret["data"]["auth_token"])) >= 32
+    given = "t" * 40
+    (secret,) = render({"rayAuth": {"token": given}})["Secret"]
+    assert base64.b64decode(secret["data"]["auth_token"]).decode() == given
+    # A Secret of the user's must hold the key itself: the chart names it, makes none.
+    existing = render(MATRIX["existing-secret"])
+    assert rayservice(existing)["spec"]["rayClusterConfig"]["authOptions"]["secretName"] == "my-rollout-secrets" and "Secret" not in existing
+    off = render({"rayAuth": {"enabled": False}})
+    assert "authOptions" not in rayservice(off)["spec"]["rayClusterConfig"] and "auth_token" not in off["Secret"][0]["data"]
+
+
+def test_trainers_reach_the_ray_pods_only_on_the_serve_port_and_the_pinned_sync_range():
+    """Weight sync (README, "Ports the sync uses"): the Ray pods' ephemeral range is pinned by
+    their sysctl, and the policy opens to trainers exactly that range besides Serve's port."""
+    values = MATRIX["network-policy"]
+    objs = render(values)
+    trainer = values["networkPolicy"]["trainerPodLabels"]
+    from_trainer = [r for r in main_network_policy(objs)["spec"]["ingress"] if any(p.get("podSelector", {}).get("matchLabels") == trainer for p in r["from"])]
+    assert sorted((r["ports"] for r in from_trainer), key=str) == [
+        [{"port": 40000, "endPort": 44999, "protocol": "TCP"}],
+        [{"port": 8000, "protocol": "TCP"}],
+    ], from_trainer
+    pods = {p["metadata"]["name"].rsplit("-", 1)[-1]: p for p in kube.embedded_objects(rayservice(objs)) if p["kind"] == "Pod"}
+    for role in ("head", "workers"):
+        matching = [p for name, p in pods.items() if name == role or (role == "workers" and name not in ("head", "tools"))]
+        assert matching, pods.keys()
+        for p in matching:
+            assert {"name": "net.ipv4.ip_local_port_range", "value": "40000 44999"} in p["spec"]["securityContext"].get("sysctls", []), p["metadata"]["name"]
+    assert "sysctls" not in tool_pod(objs)["spec"]["securityContext"], "the tool pods take no weight sync"
+    # A trainer that joins the Ray cluster (WeightPublisher.connect) needs every port.
+    everything = render({**values, "networkPolicy": {**values["networkPolicy"], "weightSyncPorts": "all"}})
+    rules = [r for r in main_network_policy(everything)["spec"]["ingress"] if any(p.get("podSelector", {}).get("matchLabels") == trainer for p in r["from"])]
+    assert sorted(str(r.get("ports")) for r in rules) == sorted([str([{"port": 8000, "protocol": "TCP"}]), "None"])
+    # No publishing: Serve's port only.
+    rollouts_only = render({**values, "networkPolicy": {**values["networkPolicy"], "allowTrainerWeightSync": False}})
+    rules = [r for r in main_network_policy(rollouts_only)["spec"]["ingress"] if any(p.get("podSelector", {}).get("matchLabels") == trainer for p in r["from"])]
+    assert [r["ports"] for r in rules] == [[{"port": 8000, "protocol": "TCP"}]]
+
+
+def test_a_pinned_sync_range_needs_the_ray_pods_range_and_says_which_values():
+    values = {**MATRIX["network-policy"], "syncPorts": {"ephemeral": ""}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert "networkPolicy.weightSyncPorts: pinned needs syncPorts.ephemeral" in str(err.value)
+    assert "networkPolicy.weightSyncPorts: all" in str(err.value)
+    objs = render({"syncPorts": {"ephemeral": ""}})  # no policy: nothing to open, no sysctl
+    assert all("sysctls" not in p["spec"].get("securityContext", {}) for p in kube.embedded_objects(rayservice(objs)) if p["kind"] == "Pod")
+    with pytest.raises(helm.HelmError, match="syncPorts"):
+        render_chart({"syncPorts": {"ephemeral": "40000:44999"}})

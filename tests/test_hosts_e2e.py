@@ -1,7 +1,16 @@
-"""Across hosts, on one machine (tests/hosts.py): a trainer outside the Ray cluster, on a
-host whose hostname resolves to loopback and whose first interface leads nowhere the
-replicas reach, rolls out and publishes weights over HTTP (gloo) to ``rollout serve`` on
-another host: real Ray, Serve and vLLM (CPU). Nothing crosses hosts over loopback.
+"""Across hosts, on one machine (tests/hosts.py): a Ray head host, a Ray worker host and a
+trainer outside the Ray cluster, on a switch. The trainer's hostname resolves to loopback
+and its first interface leads nowhere the replicas reach. Real Ray, Serve and vLLM (CPU);
+nothing crosses hosts over loopback.
+
+One replica runs on each Ray host (each offers the one Ray CPU a replica asks for). The
+worker host joins late: until then the second replica waits for room, and the first
+scenarios see one replica on the head. When the worker joins, its replica starts after
+several commits and must catch up before its first request. Which replica served a
+request is in its result (``replica_id``); which host that replica runs on, the replica
+itself says (``Hosts.replica_nodes``); which replica the affinity router prefers for a
+prompt follows from rendezvous hashing of the prompt's prefix and the replica ids
+(rollout.routing.affinity), so the prompts each host must serve are picked, not hoped for.
 
 Runs alone (``make test-hosts``); needs root for network namespaces and skips without.
 Its platform is its own (``rollout serve`` on the head host), started and stopped here.
@@ -9,10 +18,15 @@ Its platform is its own (``rollout serve`` on the head host), started and stoppe
 
 from __future__ import annotations
 
+import json
+import time
+from types import SimpleNamespace
+
 import pytest
 import yaml
 
-from tests.hosts import HEAD_ADDRESS, HTTP_PORT, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, CannotMakeHosts, Hosts
+from rollout.routing.affinity import _score, affinity_key
+from tests.hosts import HEAD_ADDRESS, RAY_PORT, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS, CannotMakeHosts, Hosts, last_json
 
 API_KEY = "hosts-key-0123456789"
 SYNC_TOKEN = "hosts-sync-token-0123456789"
@@ -20,11 +34,16 @@ SYNC_TIMEOUT_S = 60  # the default deadline: what a publish that cannot work use
 START_TIMEOUT_S = 420
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 5]
 N_TOKENS = 16
+# Prompts of distinct prefixes: each host's replica is preferred for about half of them.
+CANDIDATES = [[k, k + 1, k + 2, k + 3] for k in range(11, 51)]
+PER_HOST = 3
+PREFIX_TOKENS = 32  # deployment.routing.prefix_tokens's default
+PERTURBED = 1  # the seed of the "trained" weights the reference engine loads
 
 
 @pytest.fixture(scope="module")
 def hosts():
-    h = Hosts()
+    h = Hosts(worker=True)
     try:
         h.create()
     except CannotMakeHosts as e:
@@ -38,17 +57,14 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def trainer(hosts, model_dir):
-    """The platform on the head host and a trainer process on the trainer host (it answers
-    commands: tests/host_trainer.py)."""
+def platform(hosts, model_dir):
+    """The Ray head and ``rollout serve`` (two replicas) on the head host, a trainer
+    process on the trainer host (it answers commands: tests/host_trainer.py) and, beside
+    it, a fresh reference engine on the perturbed weights. The worker host is not up yet."""
     key_file = hosts.dir / "api-key"
     key_file.write_text(API_KEY + "\n")
-    config = {
-        "model": {"path": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20},
-        "http": {"host": "0.0.0.0", "port": HTTP_PORT, "api_key_file": str(key_file)},
-        "sync": {"timeout_s": SYNC_TIMEOUT_S},
-        "metrics": {"enabled": False},
-    }
+    # One request per handle call, so the router places each by its own prefix.
+    config = hosts.platform_config(model_dir, key_file, replicas=2, sync={"timeout_s": SYNC_TIMEOUT_S}, deployment={"client_batch_size": 1})
     config_path = hosts.dir / "rollout.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = hosts.cluster_env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
@@ -56,80 +72,200 @@ def trainer(hosts, model_dir):
     if not head.wait_for("Ray runtime started", 120):
         pytest.fail(f"the Ray head did not start:\n{hosts.logs()}")
     serve = hosts.serve(config_path, env)
-    # The trainer loads torch and the checkpoint while the platform starts.
-    process = hosts.trainer_process(API_KEY, model_dir, hosts.env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN))
+    # The trainer loads torch and the checkpoint, and the reference engine starts, while
+    # the platform does.
+    trainer = hosts.trainer_process(API_KEY, model_dir, hosts.env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN))
+    reference = hosts.reference_process(model_dir, PERTURBED, PROMPTS + CANDIDATES, N_TOKENS, hosts.env())
+    worker = None
     try:
-        if not serve.wait_for("serving ", START_TIMEOUT_S):
-            pytest.fail(f"rollout serve did not start within {START_TIMEOUT_S}s:\n{hosts.logs()}")
-        assert process.answer(120) == {"ready": True}, hosts.logs()
-        yield process
+        assert trainer.answer(120) == {"ready": True}, hosts.logs()
+        # `rollout serve` waits for both replicas; the head's serves alone until then.
+        up = trainer.call(timeout_s=START_TIMEOUT_S + 30, op="wait", within_s=START_TIMEOUT_S)
+        assert "tokens" in up, f"the platform did not serve within {START_TIMEOUT_S}s: {up}\n{hosts.logs()}"
+        print(f"the head's replica served after {up['elapsed_s']:.0f}s")
+        state = SimpleNamespace(trainer=trainer, serve=serve, env=env, reference=reference, worker=None)
+        yield state
+        worker = state.worker
     finally:
-        process.stop()
+        trainer.stop()
         serve.stop()
+        reference.stop(grace_s=10)
+        if worker is not None:
+            worker.stop(grace_s=30)
         head.stop(grace_s=30)
 
 
 @pytest.fixture(scope="module")
 def served():
-    """What earlier scenarios saw served, for later ones: tokens by weights published."""
+    """What earlier scenarios saw served, for later ones: tokens by weights published,
+    replica ids by host."""
     return {}
 
 
-def generate(trainer, hosts) -> tuple[list[list[int]], set[str]]:
-    """Greedy rollouts from the trainer host: their tokens and the versions that made them."""
-    out = trainer.call(op="generate", prompts=PROMPTS, max_tokens=N_TOKENS)
+def generate(trainer, hosts, prompts=PROMPTS) -> dict:
+    """Greedy rollouts from the trainer host: their tokens, the version that made them
+    (one each) and the replica that served each."""
+    out = trainer.call(op="generate", prompts=prompts, max_tokens=N_TOKENS)
     assert "tokens" in out, f"{out}\n{hosts.logs()}"
-    assert [len(t) for t in out["tokens"]] == [N_TOKENS] * len(PROMPTS)
+    assert [len(t) for t in out["tokens"]] == [N_TOKENS] * len(prompts)
     for spans in out["versions"]:
         assert len(spans) == 1 and spans[0][1:] == [0, N_TOKENS], f"one version made every token: {spans}"
-    return out["tokens"], {spans[0][0] for spans in out["versions"]}
+    out["version_set"] = {spans[0][0] for spans in out["versions"]}
+    return out
 
 
 def publish(trainer, hosts, seed: int, publisher_address: str | None = None) -> dict:
     return trainer.call(timeout_s=4 * SYNC_TIMEOUT_S, op="publish", seed=seed, publisher_address=publisher_address)
 
 
-def test_rollouts_from_the_trainer_host_are_served(trainer, hosts, served):
+def reference_tokens(platform, hosts) -> dict[str, list[int]]:
+    """The fresh engine's greedy tokens on the perturbed weights, by prompt."""
+    if not platform.reference.wait_for('{"tokens"', 600):
+        pytest.fail(f"the reference engine gave no answer:\n{platform.reference.tail()}")
+    tokens = last_json(platform.reference.text())["tokens"]
+    return {json.dumps(p): t for p, t in zip(PROMPTS + CANDIDATES, tokens)}
+
+
+def preferred(prompt: list[int], replica_ids) -> str:
+    """The replica the affinity router sends ``prompt`` to while loads are even."""
+    key = affinity_key({"prompt_token_ids": prompt}, PREFIX_TOKENS, 128)
+    return max(replica_ids, key=lambda rid: _score(key, rid))
+
+
+def test_rollouts_from_the_trainer_host_are_served(platform, hosts, served):
+    trainer = platform.trainer
     where = trainer.call(op="addresses")
     # The host is the one the issue describes: its hostname resolves to loopback.
     assert where["hostname"] == "127.0.0.1", where
     assert where["advertised"] == TRAINER_ADDRESS, f"the interface that routes to {HEAD_ADDRESS}, not the hostname's or the first one's: {where}"
-    tokens, versions = generate(trainer, hosts)
-    again, _ = generate(trainer, hosts)
-    assert again == tokens, "greedy rollouts of the same weights are the same tokens"
-    assert len(versions) == 1
-    served["checkpoint"] = tokens
+    first = generate(trainer, hosts)
+    again = generate(trainer, hosts)
+    assert again["tokens"] == first["tokens"], "greedy rollouts of the same weights are the same tokens"
+    assert len(first["version_set"]) == 1
+    assert len(set(first["replicas"] + again["replicas"])) == 1, "one replica runs until the worker host joins"
+    served["checkpoint"] = first["tokens"]
+    served["head replica"] = first["replicas"][0]
 
 
-def test_a_publish_from_the_trainer_host_without_the_setting_commits_and_generation_follows_the_weights(trainer, hosts, served):
-    first = publish(trainer, hosts, seed=1)
+def test_a_publish_from_the_trainer_host_without_the_setting_commits_and_generation_follows_the_weights(platform, hosts, served):
+    trainer = platform.trainer
+    first = publish(trainer, hosts, seed=PERTURBED)
     assert first.get("version") == 1, f"{first}\n{hosts.logs()}"
-    tokens, versions = generate(trainer, hosts)
-    assert versions == {"1"}
-    assert tokens != served["checkpoint"], "the perturbed weights serve other tokens"
-    served["seed-1"] = tokens
+    out = generate(trainer, hosts)
+    assert out["version_set"] == {"1"}
+    assert out["tokens"] != served["checkpoint"], "the perturbed weights serve other tokens"
+    assert out["tokens"] == [reference_tokens(platform, hosts)[json.dumps(p)] for p in PROMPTS], "the tokens of a fresh engine on the published weights"
+    served["seed-1"] = out["tokens"]
     # The checkpoint's own weights back: exactly the tokens served before any publish, so
     # what arrived is the weights as sent, and every token came from them.
     second = publish(trainer, hosts, seed=0)
     assert second.get("version") == 2, f"{second}\n{hosts.logs()}"
-    tokens, versions = generate(trainer, hosts)
-    assert versions == {"2"} and tokens == served["checkpoint"]
+    out = generate(trainer, hosts)
+    assert out["version_set"] == {"2"} and out["tokens"] == served["checkpoint"]
 
 
-def test_a_publish_to_an_address_the_replicas_cannot_reach_fails_in_seconds_and_the_replica_keeps_its_version(trainer, hosts, served):
+def test_a_publish_to_an_address_the_replicas_cannot_reach_fails_in_seconds_and_the_replica_keeps_its_version(platform, hosts, served):
+    trainer = platform.trainer
     # The trainer's other interface: an address of its own, but the head has no route to it.
-    failed = publish(trainer, hosts, seed=1, publisher_address=SIDE_TRAINER_ADDRESS)
+    failed = publish(trainer, hosts, seed=PERTURBED, publisher_address=SIDE_TRAINER_ADDRESS)
     assert failed.get("error_type") == "PublisherUnreachableError", f"{failed}\n{hosts.logs()}"
     assert failed["elapsed_s"] < 15, f"took {failed['elapsed_s']:.1f}s of the {SYNC_TIMEOUT_S}s deadline"
     assert failed["address"] == SIDE_TRAINER_ADDRESS
     message = failed["message"]
     assert f"{SIDE_TRAINER_ADDRESS}:{failed['port']}" in message and "ROLLOUT_PUBLISHER_ADDRESS" in message, message
     assert "keep version 2" in message, message
-    tokens, versions = generate(trainer, hosts)
-    assert versions == {"2"} and tokens == served["checkpoint"], "still the last committed version"
+    out = generate(trainer, hosts)
+    assert out["version_set"] == {"2"} and out["tokens"] == served["checkpoint"], "still the last committed version"
     # Without the setting the next publish goes through: the failed round left nothing behind.
-    recovered = publish(trainer, hosts, seed=1)
+    recovered = publish(trainer, hosts, seed=PERTURBED)
     assert recovered.get("version") == 3, f"{recovered}\n{hosts.logs()}"
-    tokens, versions = generate(trainer, hosts)
-    assert versions == {"3"} and tokens == served["seed-1"], "the same weights as version 1: the same tokens"
+    out = generate(trainer, hosts)
+    assert out["version_set"] == {"3"} and out["tokens"] == served["seed-1"], "the same weights as version 1: the same tokens"
     print(f"the unreachable publish failed in {failed['elapsed_s']:.1f}s; the next one committed in {recovered['elapsed_s']:.1f}s")
+
+
+def test_a_replica_that_starts_on_the_worker_host_after_several_commits_catches_up_before_its_first_request(platform, hosts, served):
+    trainer = platform.trainer
+    status = trainer.call(op="status")
+    assert status["committed_version"] == 3 and list(status["replicas"]) == [served["head replica"]], status
+    t0 = time.monotonic()
+    platform.worker = hosts.start_ray_worker(platform.env)
+    assert platform.worker.wait_for("Ray runtime started", 120), hosts.logs()
+    # `rollout serve` reports serving once both replicas run.
+    assert platform.serve.wait_for("serving ", START_TIMEOUT_S), f"the worker's replica did not start:\n{hosts.logs()}"
+    print(f"the worker's replica started {time.monotonic() - t0:.0f}s after its host")
+    nodes = hosts.replica_nodes(platform.env)
+    assert nodes.get(served["head replica"]) == HEAD_ADDRESS and sorted(nodes.values()) == [HEAD_ADDRESS, WORKER_ADDRESS], nodes
+    (late,) = [rid for rid, address in nodes.items() if address == WORKER_ADDRESS]
+    served["replicas"] = {HEAD_ADDRESS: served["head replica"], WORKER_ADDRESS: late}
+    served["prompts"] = {
+        address: [p for p in CANDIDATES if preferred(p, nodes) == rid][:PER_HOST] for address, rid in served["replicas"].items()
+    }
+    assert all(len(p) == PER_HOST for p in served["prompts"].values()), served["prompts"]
+    # Its first requests: the committed version's weights (the perturbed ones, as a fresh
+    # engine on them serves), not the checkpoint it loaded.
+    prompts = served["prompts"][WORKER_ADDRESS]
+    out = generate(trainer, hosts, prompts)
+    assert out["replicas"] == [late] * PER_HOST, f"the router's preferred replica for these prompts: {out['replicas']}"
+    assert out["version_set"] == {"3"}, out["versions"]
+    reference = reference_tokens(platform, hosts)
+    assert out["tokens"] == [reference[json.dumps(p)] for p in prompts]
+    status = trainer.call(op="status")
+    assert status["committed_version"] == 3 and {r: v["version"] for r, v in status["replicas"].items()} == {rid: 3 for rid in nodes}, status
+
+
+def test_rollouts_from_the_trainer_host_reach_replicas_on_both_hosts_by_prefix_affinity(platform, hosts, served):
+    trainer = platform.trainer
+    reference = reference_tokens(platform, hosts)
+    prompts = served["prompts"][HEAD_ADDRESS] + served["prompts"][WORKER_ADDRESS]
+    expected = [served["replicas"][HEAD_ADDRESS]] * PER_HOST + [served["replicas"][WORKER_ADDRESS]] * PER_HOST
+    # One batch, interleaved, twice: each prompt goes to its replica wherever it sits in it.
+    order = [i for pair in zip(range(PER_HOST), range(PER_HOST, 2 * PER_HOST)) for i in pair]
+    for _ in range(2):
+        out = generate(trainer, hosts, [prompts[i] for i in order])
+        assert out["replicas"] == [expected[i] for i in order], "each prompt's prefix picks its replica, on either host"
+        assert out["version_set"] == {"3"}
+        assert out["tokens"] == [reference[json.dumps(prompts[i])] for i in order], "both hosts serve the committed weights"
+
+
+def test_a_publish_from_the_trainer_host_commits_into_replicas_on_both_hosts(platform, hosts, served):
+    trainer = platform.trainer
+    reference = reference_tokens(platform, hosts)
+    prompts = served["prompts"][HEAD_ADDRESS] + served["prompts"][WORKER_ADDRESS]
+    expected = [served["replicas"][HEAD_ADDRESS]] * PER_HOST + [served["replicas"][WORKER_ADDRESS]] * PER_HOST
+    back = publish(trainer, hosts, seed=0)
+    assert back.get("version") == 4, f"{back}\n{hosts.logs()}"
+    out = generate(trainer, hosts, prompts)
+    assert out["replicas"] == expected and out["version_set"] == {"4"}
+    changed = [t != reference[json.dumps(p)] for p, t in zip(prompts, out["tokens"])]
+    assert changed[:PER_HOST].count(True) and changed[PER_HOST:].count(True), "both hosts left the perturbed weights"
+    again = publish(trainer, hosts, seed=PERTURBED)
+    assert again.get("version") == 5, f"{again}\n{hosts.logs()}"
+    out = generate(trainer, hosts, prompts)
+    assert out["replicas"] == expected and out["version_set"] == {"5"}
+    assert out["tokens"] == [reference[json.dumps(p)] for p in prompts], "greedy on both hosts equals a fresh engine on the published weights"
+    status = trainer.call(op="status")
+    assert {r: v["version"] for r, v in status["replicas"].items()} == {rid: 5 for rid in expected}, status
+    print(f"publishes into replicas on two hosts committed in {back['elapsed_s']:.1f}s and {again['elapsed_s']:.1f}s")
+
+
+def test_joining_the_ray_cluster_by_address_needs_token_mode_besides_the_token(platform, hosts, model_dir):
+    """Ray turns token authentication on by itself only for a cluster it finds locally
+    (``address="auto"`` with ``~/.ray/auth_token``, ray/_private/worker.py): a process that
+    joins by address (``RAY_ADDRESS``, as a trainer pod's does) with ``RAY_AUTH_TOKEN`` alone
+    never sends the token, and the GCS refuses it (``InvalidAuthToken``). With
+    ``RAY_AUTH_MODE=token`` as well it is let in: the worker host's node joined so (the
+    fixture's ``start_ray_worker``), and its replica serves (the scenarios above).
+
+    Not shown here: a trainer publishing through ``WeightPublisher.connect`` as a driver
+    from the trainer host. These hosts share one PID and mount namespace, and a Ray driver
+    finds "its" raylet by listing the machine's processes (ray._private.services.
+    find_node_ids), so a driver started on the trainer host attaches to the head's raylet
+    over its Unix socket: not what a pod, which sees no raylet, can do."""
+    pod = hosts.cluster_env(RAY_ADDRESS=f"{HEAD_ADDRESS}:{RAY_PORT}", ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
+    without_mode = {k: v for k, v in pod.items() if k != "RAY_AUTH_MODE"}
+    refused = hosts.driver(model_dir, seed=0, env=without_mode, timeout_s=120)
+    assert refused.get("error_type") == "ConnectionError", refused
+    assert "InvalidAuthToken" in refused["log"], refused["log"][-3000:]
+    assert (hosts.dir / "ray-worker.log").exists() and "Ray runtime started" in (hosts.dir / "ray-worker.log").read_text()
+    print(f"refused without RAY_AUTH_MODE after {refused['elapsed_s']:.0f}s")

@@ -114,6 +114,10 @@ def test_trainer_job():
     assert 'WeightPublisher.connect(app_name="rollout", backend="nccl")' in script
     env = {e["name"]: e for e in c["env"]}
     assert "value" not in env["ROLLOUT_API_KEY"] and env["ROLLOUT_API_KEY"]["valueFrom"]["secretKeyRef"]
+    # A driver needs a Ray node of its own host, joined with both halves of Ray's token auth.
+    assert c["command"][:2] == ["sh", "-c"] and c["command"][2].startswith('ray start --address="$RAY_ADDRESS" --num-cpus=0 --num-gpus=0')
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rollout-secrets", "key": "auth_token"}
 
 
 def test_monitoring_assets_are_generated_from_rollout_monitoring():

@@ -146,3 +146,86 @@ async def test_a_listener_that_starts_a_moment_after_the_round_opens_is_still_re
     finally:
         await later
         server.close()
+
+
+# ---- ports ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, want", [("40000-40099", (40000, 40099)), (" 40000 - 40099 ", (40000, 40099)), ("40000", (40000, 40000))])
+def test_a_port_range_is_low_dash_high_or_one_port(text, want):
+    r = net.PortRange.parse(text, "the setting")
+    assert (r.low, r.high) == want and str(r) == f"{want[0]}-{want[1]}"
+    assert want[0] in r and want[1] in r and want[1] + 1 not in r and want[0] - 1 not in r
+
+
+@pytest.mark.parametrize("text", ["", "abc", "40000-", "-5", "5-1", "0-10", "1-70000", "1.5-3"])
+def test_a_bad_port_range_is_refused_naming_the_setting(text):
+    with pytest.raises(ValueError, match=r"^ROLLOUT_PUBLISHER_PORTS: "):
+        net.PortRange.parse(text, "ROLLOUT_PUBLISHER_PORTS")
+
+
+def test_the_publishers_range_comes_from_its_environment_variable(monkeypatch):
+    monkeypatch.delenv(net.PORTS_ENV, raising=False)
+    assert net.publisher_ports() is None
+    monkeypatch.setenv(net.PORTS_ENV, "46000-46009")
+    assert net.publisher_ports() == net.PortRange(46000, 46009)
+    monkeypatch.setenv(net.PORTS_ENV, "46009-46000")
+    with pytest.raises(ValueError, match=net.PORTS_ENV):
+        net.publisher_ports()
+
+
+def test_a_free_port_of_a_range_skips_the_ones_taken_and_says_which_setting_is_exhausted():
+    base = net.free_port()  # a port free now; its neighbour is very likely free too
+    held = []
+    try:
+        for port in (base, base + 1):
+            s = socket.socket()
+            try:
+                s.bind(("", port))
+            except OSError:
+                s.close()
+                pytest.skip(f"port {port} is taken by something else")
+            held.append(s)
+        # Every port of the range but one taken: that one, every time.
+        r = net.PortRange(base, base + 2)
+        assert {net.free_port(r) for _ in range(10)} == {base + 2}
+        with pytest.raises(net.NoFreePort, match=rf"no free TCP port in {base}-{base + 1} \(sync.rendezvous_ports\)"):
+            net.free_port(net.PortRange(base, base + 1), "sync.rendezvous_ports")
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_without_a_range_the_kernel_picks_from_its_ephemeral_range():
+    ephemeral = net.ephemeral_ports()
+    assert ephemeral is not None, "Linux has /proc/sys/net/ipv4/ip_local_port_range"
+    assert all(net.free_port() in ephemeral for _ in range(5))
+
+
+def test_an_error_about_a_port_says_which_setting_moves_it():
+    pinned = net.describe_port(46003, net.PortRange(46000, 46009))
+    assert pinned == "port 46003 from ROLLOUT_PUBLISHER_PORTS=46000-46009"
+    picked = net.describe_port(41234, None)
+    assert "ephemeral range (net.ipv4.ip_local_port_range " in picked and "set ROLLOUT_PUBLISHER_PORTS" in picked
+
+
+def test_a_publisher_takes_its_range_from_its_argument_or_the_environment(monkeypatch):
+    from rollout.sync.publisher import WeightPublisher
+
+    monkeypatch.setenv(net.PORTS_ENV, "46000-46009")
+    assert WeightPublisher(None, "gloo", None).ports == net.PortRange(46000, 46009)
+    assert WeightPublisher(None, "gloo", None, ports="47000-47001").ports == net.PortRange(47000, 47001)
+    with pytest.raises(ValueError, match=r"^ports: '47001-47000'"):
+        WeightPublisher(None, "gloo", None, ports="47001-47000")
+
+
+def test_the_coordinators_rendezvous_range_is_checked_with_the_config():
+    from pydantic import ValidationError
+
+    from rollout.config import SyncConfig
+
+    assert SyncConfig().rendezvous_port_range() is None
+    assert SyncConfig(rendezvous_ports="39000-39009").rendezvous_port_range() == net.PortRange(39000, 39009)
+    for bad in ("39009-39000", "39000-", "x"):
+        with pytest.raises(ValidationError, match="rendezvous_ports"):
+            SyncConfig(rendezvous_ports=bad)

@@ -94,6 +94,36 @@ def test_pipelined_buckets_arrive_intact_at_every_receiver_and_a_kept_group_serv
     assert all(a is b for a, b in zip(*groups_of_round)), "the second round ran on the groups of the first"
 
 
+def test_a_group_of_the_same_name_at_a_new_rendezvous_is_joined_anew():
+    """A trainer written for ``vllm serve`` that starts a second transfer engine keeps its
+    fixed group name but hosts a new store: members holding the old group must join the new
+    one (they used to keep the old one by name, and the trainer's rendezvous timed out)."""
+    import threading
+
+    from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
+    from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
+    from rollout.sync.net import free_port as _free_port
+
+    specs_tensors = {f"t{i}": torch.randn(i + 3, 5) for i in range(3)}
+    specs = [ParamSpec.of(n, t) for n, t in specs_tensors.items()]
+    member = GroupSlot()
+    groups, received = [], {}
+    for engine in range(2):  # each "trainer engine" at a port of its own, one group name
+        where = Rendezvous("rollout-weights", "127.0.0.1", _free_port(), 2, 10.0)
+
+        def receiver() -> None:
+            group = member.join(where, 1)
+            received.update({n: t.clone() for named in receive_buckets(group, specs, 200) for n, t in named})
+
+        thread = threading.Thread(target=receiver)
+        thread.start()
+        send_buckets(GlooGroup(where, 0), specs, list(specs_tensors.values()), 200)  # a new engine: a new group
+        thread.join(30)
+        assert not thread.is_alive() and all(torch.equal(received[n], t) for n, t in specs_tensors.items()), engine
+        groups.append(member.group)
+    assert groups[0] is not groups[1], "the member joined the new rendezvous"
+
+
 
 def test_ipc_plans_produce_vllms_own_ipc_init_and_update_info(monkeypatch):
     import base64

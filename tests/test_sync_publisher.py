@@ -17,7 +17,7 @@ class RecordingCoordinator:
         self.backend = backend
         self.opened = 0
 
-    def status(self) -> dict:
+    def status(self, timeout_s=None) -> dict:
         return {"backend": self.backend}
 
     def begin_round(self, *args):
@@ -63,7 +63,7 @@ class BlockedSender:
     def offer(self, tensors):
         return None
 
-    def copy_offer(self):
+    def copy_offer(self, ports=None, setting=None):
         return "copy-1", 1
 
     def send(self, plan, tensors):
@@ -87,7 +87,7 @@ class AbortingCoordinator:
         self.request = None
         self.finished_with = None
 
-    def status(self) -> dict:
+    def status(self, timeout_s=None) -> dict:
         rounds = [{"round_id": "round-1-x", "committed": False}] if self.request else []
         return {"backend": "gloo", "recent_rounds": rounds}
 
@@ -98,7 +98,7 @@ class AbortingCoordinator:
         r = request
         return RoundPlan("round-1-x", 1, "gloo", r.master_address, r.master_port, 2, (Member("a", 1, 1),), r.params, 1 << 16, "keep", 30.0)
 
-    def finish(self, token, round_id, error):
+    def finish(self, token, round_id, error, timeout_s=None):
         from rollout.sync.protocol import RoundOutcome
 
         self.finished_with = error
@@ -166,3 +166,47 @@ def test_an_address_that_is_not_this_hosts_is_refused_before_any_round_opens(mon
     with pytest.raises(SyncError, match="'198.51.100.7' \\(set by ROLLOUT_PUBLISHER_ADDRESS\\), which is not an address of this host"):
         WeightPublisher(coordinator, "auto", token=None).publish({"w": torch.zeros(2)})
     assert coordinator.request is None, "no round opened"
+
+
+def test_a_coordinator_out_of_reach_mid_round_is_a_typed_error_within_the_rounds_bound_not_the_clients(monkeypatch):
+    """A trainer whose link is cut mid-publish: the ingress takes the connection (or the
+    kernel holds it) and never answers. Before: httpx's ReadTimeout after the client's 600 s."""
+    import socket
+    import threading
+    import time
+
+    import rollout.sync.publisher as publisher_module
+    from rollout.sync.protocol import CoordinatorUnreachableError, Member, RoundPlan
+    from rollout.sync.remote import HttpCoordinator
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    accepted = []
+    threading.Thread(target=lambda: [accepted.append(silent.accept()) for _ in range(8)], daemon=True).start()
+
+    class LinkCutAfterOpening(HttpCoordinator):
+        def status(self, timeout_s=None):
+            if timeout_s is None:
+                return {"backend": "gloo"}  # asked before the round, while the link was up
+            return super().status(timeout_s)
+
+        def begin_round(self, token, request):
+            return RoundPlan("round-1-x", 1, "gloo", request.master_address, request.master_port, 2, (Member("a", 1, 1),), request.params, 1 << 16, "keep", 0.5)
+
+    class SentSender(BlockedSender):
+        def send(self, plan, tensors):
+            return None
+
+    monkeypatch.setenv("ROLLOUT_PUBLISHER_ADDRESS", "127.0.0.1")
+    monkeypatch.setattr(publisher_module, "FINISH_MARGIN_S", 1.0)
+    monkeypatch.setattr(publisher_module, "make_sender", lambda backend: SentSender())
+    coordinator = LinkCutAfterOpening(f"http://127.0.0.1:{silent.getsockname()[1]}", None, timeout_s=600)
+    publisher = WeightPublisher(coordinator, "auto", token=None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CoordinatorUnreachableError, match="round-1-x: the coordinator at .* did not answer POST .*finish within [0-9.]+s.*aborts at its deadline"):
+            publisher.publish({"w": torch.zeros(2)})
+    finally:
+        silent.close()
+    # The commit's bound: four steps of 0.5 s from opening, plus the margin; not 600 s.
+    assert time.monotonic() - t0 < 6
+    assert publisher._sender is None, "a round of unknown outcome leaves no group to reuse"

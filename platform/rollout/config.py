@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.api import RewardSpec
 from rollout.sync.backends import AUTO, backend_names
+from rollout.sync.net import PortRange
 from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, SYNC_TOKEN_ENV, PauseMode
 
 logger = logging.getLogger(__name__)
@@ -309,6 +310,13 @@ class SyncConfig(_Section):
         "Unset: decided once when the app is built, true where `token_env` is set in that process's environment or `allowed_service_accounts` is given; "
         "the ingress and the coordinator both follow the decision. True with no token where the coordinator runs refuses every publish.",
     )
+    rendezvous_ports: Optional[str] = Field(
+        default=None,
+        pattern=r"^\s*\d{1,5}(\s*-\s*\d{1,5})?\s*$",
+        description="TCP port range `LOW-HIGH` where the coordinator's weight copy hosts the rendezvous of restore and catch-up rounds "
+        "(replicas connect to it inside the Ray cluster); unset: a port the kernel picks from its ephemeral range. "
+        "Trainers set theirs with `ROLLOUT_PUBLISHER_PORTS`; gloo's and NCCL's own listeners follow the pod's `net.ipv4.ip_local_port_range`.",
+    )
     token_audience: str = Field(
         default="rollout-platform",
         min_length=1,
@@ -322,6 +330,14 @@ class SyncConfig(_Section):
         if self.require_token is False and self.allowed_service_accounts:
             raise ValueError("sync.require_token: false contradicts sync.allowed_service_accounts (service accounts authenticate publishers)")
         return self
+
+    @model_validator(mode="after")
+    def _ports_are_a_range(self) -> "SyncConfig":
+        self.rendezvous_port_range()  # LOW <= HIGH, within 1..65535 (the pattern checks the shape)
+        return self
+
+    def rendezvous_port_range(self) -> Optional[PortRange]:
+        return PortRange.parse(self.rendezvous_ports, "sync.rendezvous_ports") if self.rendezvous_ports else None
 
     def token_required(self, environ: Optional[Mapping[str, str]] = None) -> bool:
         """The one place that decides whether weight sync needs a credential besides the API key.

@@ -144,6 +144,10 @@ def chart_properties() -> dict[str, Any]:
         ),
         "imagePullSecrets": {"type": "array", "items": {"type": "string"}},
         "rayVersion": {"type": "string"},
+        "rayAuth": _section(
+            "Ray's token authentication through KubeRay's authOptions (the token: key auth_token of the chart's Secret).",
+            {"enabled": {"type": "boolean"}, "token": {"type": "string", "description": "empty: random, kept across upgrades; else at least 32 characters"}},
+        ),
         "upgradeStrategy": {"enum": ["NewCluster", "None"]},
         "podSecurityContext": _OBJ,
         "securityContext": _OBJ,
@@ -212,13 +216,32 @@ def chart_properties() -> dict[str, Any]:
                 "trainerPodLabels": _STR_MAP,
                 "trainerNamespaceLabels": _STR_MAP,
                 "allowTrainerWeightSync": {"type": "boolean"},
+                "weightSyncPorts": {
+                    "enum": ["pinned", "all"],
+                    "description": "pinned: trainers reach syncPorts.ephemeral on the Ray pods; all: every port (a trainer joining the Ray cluster).",
+                },
                 "metricsNamespaceLabels": _STR_MAP,
+            },
+        ),
+        "syncPorts": _section(
+            "Ports of the weight sync: the Ray pods' net.ipv4.ip_local_port_range, where gloo's and NCCL's listeners bind.",
+            {
+                "ephemeral": {
+                    "type": "string",
+                    "pattern": r"^(\s*\d{1,5}\s*-\s*\d{1,5}\s*)?$",
+                    "description": "LOW-HIGH set as the head and engine pods' net.ipv4.ip_local_port_range; empty keeps the kernel's.",
+                }
             },
         ),
         "podDisruptionBudget": _switch("PDB for worker pods.", {"maxUnavailable": {"type": ["integer", "string"]}}),
         "monitoring": _section(
             "Prometheus-operator objects and the Grafana dashboard.",
             {
+                "assumeCRDs": {
+                    "type": "boolean",
+                    "description": "Render the ServiceMonitor/PrometheusRule without checking that the cluster serves "
+                    "their kinds (templates/_validate.tpl), e.g. for `helm template` in GitOps.",
+                },
                 "serviceMonitor": _switch(
                     "ServiceMonitor (needs the Prometheus operator CRDs).",
                     {"interval": {"type": "string"}, "labels": _STR_MAP},

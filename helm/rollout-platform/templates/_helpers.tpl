@@ -62,6 +62,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if or (not (hasKey $m "enabled")) $m.enabled -}}true{{- end -}}
 {{- end -}}
 
+{{/* The Prometheus operator's objects the chart renders, as "<group>/<version>/<kind>" (the
+form .Capabilities.APIVersions.Has and `helm --api-versions` take) -> the value that turns
+each off. The one owner of "is it rendered": the two templates and the CRD check in
+_validate.tpl all ask here. A ServiceMonitor needs the metrics port (platform.metrics). */}}
+{{- define "rollout.monitoringKinds" -}}
+{{- $kinds := dict -}}
+{{- if and .Values.monitoring.serviceMonitor.enabled (include "rollout.metricsEnabled" .) -}}
+{{- $_ := set $kinds "monitoring.coreos.com/v1/ServiceMonitor" "monitoring.serviceMonitor.enabled" -}}
+{{- end -}}
+{{- if .Values.monitoring.prometheusRule.enabled -}}
+{{- $_ := set $kinds "monitoring.coreos.com/v1/PrometheusRule" "monitoring.prometheusRule.enabled" -}}
+{{- end -}}
+{{- $kinds | toJson -}}
+{{- end -}}
+
 {{- define "rollout.routePrefix" -}}
 {{- (.Values.platform.http | default dict).route_prefix | default "/" -}}
 {{- end -}}
@@ -159,8 +174,15 @@ one, _validate.tpl has already failed unless auth.required is false. */}}
 {{/* Pod-level fields shared by the head and worker templates. */}}
 {{- define "rollout.podCommon" -}}
 {{- $ := .ctx -}}
+{{- $podSecurity := deepCopy ($.Values.podSecurityContext | default dict) }}
+{{- with $.Values.syncPorts.ephemeral }}
+{{- /* Pins the ports gloo's and NCCL's listeners bind to 0 (the NetworkPolicy opens this
+range to trainers): a namespaced "safe" sysctl, allowed under Pod Security restricted. */}}
+{{- $range := regexSplit "\\s*-\\s*" (trim .) -1 }}
+{{- $_ := set $podSecurity "sysctls" (append ($podSecurity.sysctls | default list) (dict "name" "net.ipv4.ip_local_port_range" "value" (join " " $range))) }}
+{{- end }}
 securityContext:
-  {{- toYaml $.Values.podSecurityContext | nindent 2 }}
+  {{- toYaml $podSecurity | nindent 2 }}
 {{- with $.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- range . }}

@@ -29,6 +29,17 @@ Cross-field rules JSON Schema cannot express; values.schema.json handles the res
 {{- if and .Values.auth.required (not (include "rollout.hasSecret" .)) -}}
   {{- fail "auth.required is true but no API key or sync token is configured: secrets.existingSecret must name a Secret when secrets.create is false (or set secrets.create: true, with secrets.apiKey/secrets.syncToken or random ones; auth.required: false runs the API without authentication)" -}}
 {{- end -}}
+{{- if .Values.rayAuth.enabled -}}
+  {{- if not (include "rollout.hasSecret" .) -}}
+    {{- fail "rayAuth.enabled is true but there is no Secret to hold Ray's token: set secrets.create: true, or secrets.existingSecret to a Secret with the key auth_token (or rayAuth.enabled: false)" -}}
+  {{- end -}}
+  {{- if semverCompare "<2.52.0-0" .Values.rayVersion -}}
+    {{- fail (printf "rayAuth.enabled needs Ray 2.52 or newer (rayVersion is %s): set rayAuth.enabled: false for older Ray" .Values.rayVersion) -}}
+  {{- end -}}
+  {{- if and .Values.rayAuth.token (lt (len .Values.rayAuth.token) 32) -}}
+    {{- fail (printf "rayAuth.token must be at least 32 characters (got %d); leave it empty for a random one" (len .Values.rayAuth.token)) -}}
+  {{- end -}}
+{{- end -}}
 {{- if include "rollout.toolsEnabled" . -}}
   {{- $t := .Values.toolWorkers -}}
   {{- if or (gt (int $t.minReplicas) (int $t.replicas)) (gt (int $t.replicas) (int $t.maxReplicas)) -}}
@@ -56,5 +67,30 @@ Cross-field rules JSON Schema cannot express; values.schema.json handles the res
 {{- end -}}
 {{- if and .Values.modelCache.enabled (not .Values.modelCache.existingClaim) (not .Values.modelCache.size) -}}
   {{- fail "modelCache.size must be set when modelCache.existingClaim is empty" -}}
+{{- end -}}
+{{- include "rollout.validateMonitoringAPIs" . -}}
+{{- end -}}
+
+{{/*
+The ServiceMonitor and PrometheusRule are kinds of the Prometheus operator's CRDs: on a cluster
+without them `helm install` fails half-way with `no matches for kind "PrometheusRule"`. Fail
+before anything is created instead, naming the values that turn them off. Helm fills
+.Capabilities.APIVersions from the cluster on install/upgrade; `helm template` knows only the
+built-in kinds, so GitOps renders pass `--api-versions` or set monitoring.assumeCRDs.
+*/}}
+{{- define "rollout.validateMonitoringAPIs" -}}
+{{- if not .Values.monitoring.assumeCRDs -}}
+  {{- $kinds := include "rollout.monitoringKinds" . | fromJson -}}
+  {{- $missing := list -}}
+  {{- $off := list -}}
+  {{- range $api := keys $kinds | sortAlpha -}}
+    {{- if not ($.Capabilities.APIVersions.Has $api) -}}
+      {{- $missing = append $missing $api -}}
+      {{- $off = append $off (printf "%s=false" (get $kinds $api)) -}}
+    {{- end -}}
+  {{- end -}}
+  {{- if $missing -}}
+    {{- fail (printf "the cluster does not serve %s (the Prometheus operator's CRDs are not installed): install the Prometheus operator (e.g. kube-prometheus-stack) first, or set %s. To render them anyway where Helm cannot ask the cluster (helm template for GitOps), pass --api-versions %s, or set monitoring.assumeCRDs=true" (join " or " $missing) (join " and " $off) (join " --api-versions " $missing)) -}}
+  {{- end -}}
 {{- end -}}
 {{- end -}}

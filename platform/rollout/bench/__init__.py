@@ -19,9 +19,9 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream", "python_tool", "hosts_publish")
+BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream", "python_tool", "hosts_publish", "coordinator_scale")
 # Benchmarks that run no model: `--only` these builds none.
-WITHOUT_MODEL = ("python_tool",)
+WITHOUT_MODEL = ("python_tool", "coordinator_scale")
 
 
 def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCHMARKS) -> int:
@@ -54,4 +54,8 @@ def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCH
         from rollout.bench.hosts_publish import run as run_hosts_publish
 
         write_result(out_dir, "hosts_publish", run_hosts_publish(model_dir.parent))
+    if "coordinator_scale" in only:
+        from rollout.bench.coordinator_scale import run as run_coordinator_scale
+
+        write_result(out_dir, "coordinator_scale", run_coordinator_scale())
     return 0

@@ -228,6 +228,54 @@ def hosts_publish(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _stall(n: int, st: dict[str, Any]) -> str:
+    first = st["first_round"]
+    how = "committed without them" if first["committed"] else f"aborted after **{first['decided_s']:.1f} s** (`{first['error'].split(': ', 1)[-1][:120]}`)"
+    if st["commit_without_them_s"] is None:
+        then = f"no round committed within the {st['attempts'][-1]['at_s']:.0f} s tried ({len(st['attempts'])} attempts)"
+    else:
+        then = f"the first round without them committed {st['commit_without_them_s']:.1f} s after the stall ({len(st['attempts'])} attempts)"
+    return (
+        f"- {n:,} replicas, {st['stalled']} stalled mid-round: the round {how}; {then}; healthy replicas left broken: "
+        f"{st['healthy_broken_at_end']}, behind the committed version: {st['healthy_behind_at_end']}."
+    )
+
+
+def _scaled(m: dict[str, Any], k: float) -> dict[str, Any]:
+    return {"median": m["median"] * k, "interval_90": [v * k for v in m["interval_90"]]}
+
+
+def coordinator_scale(r: dict[str, Any]) -> list[str]:
+    growth = ", ".join(f"{k} {v:.2f}" for k, v in r["per_replica_growth"]["coordinator_cpu_s"].items() if v is not None)
+    lines = [
+        f"**coordinator_scale** (the real weight-sync coordinator in a process of its own, driven by simulated replicas: the real "
+        f"`SyncAgent` each, over a stub engine, long-polling every {r['poll_s']:g} s, and the real `WeightPublisher`; no bytes move; "
+        f"{r['params']} tensors a plan, `sync.timeout_s` {r['timeout_s']:g}; {r['rounds']} rounds a population, {r['order']}; "
+        f"{_machine(r)}; load average {r['load_average_1min']:.1f}). Goal: {r['goal']}: **{'met' if r['goal_met'] else 'not met'}** "
+        f"(growth per replica: {growth}; 1.00 is linear). Coordination is the coordinator's CPU per round; a round's wall time "
+        "also holds the simulated replicas, which share this machine's cores. Milliseconds, medians (90% interval).",
+        "",
+        "| replicas | coordinator CPU per round | round wall time | simulated replicas' CPU | sent per round | late replicas: catch-up | idle CPU | peak memory growth |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in r["points"]:
+        lines.append(
+            f"| {p['replicas']:,} | **{_ms(_scaled(p['coordinator_cpu_s'], 1000))}** | {_ms(_scaled(p['round_s'], 1000))} | "
+            f"{_ms(_scaled(p['replicas_cpu_s'], 1000))} | {p['coordinator_sent_kb'] / 1024:.1f} MiB | "
+            f"{p['late_replicas']}: {_ms(_scaled(p['catch_up_s'], 1000))} | {100 * p['idle_cpu_share']:.1f}% | {p['peak_memory_growth_mb']:.0f} MiB |"
+        )
+    stalls = [(p["replicas"], p["stall"]) for p in r["points"] if p.get("stall")]
+    if stalls:
+        lines += [
+            "",
+            f"{100 * r['stall_share']:.0f}% of the replicas stall (after taking a round's plan they never poll, report or receive again; "
+            f"the round's deadline is 3 x `sync.timeout_s` = {3 * r['timeout_s']:g} s, the publisher's send gives up at 2 x):",
+            "",
+        ]
+        lines += [_stall(n, st) for n, st in stalls]
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_throughput": engine_throughput,
     "weight_sync": weight_sync,
@@ -235,6 +283,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "rollout_stream": rollout_stream,
     "python_tool": python_tool,
     "hosts_publish": hosts_publish,
+    "coordinator_scale": coordinator_scale,
     "soak": soak,
 }
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.sync.protocol import PublisherUnreachableError, SyncError
+from rollout.sync.protocol import CoordinatorUnreachableError, PublisherUnreachableError, SyncError
 
-__all__ = ["WeightPublisher", "SyncError", "PublisherUnreachableError"]
+__all__ = ["WeightPublisher", "SyncError", "PublisherUnreachableError", "CoordinatorUnreachableError"]
 
 
 def __getattr__(name: str) -> Any:

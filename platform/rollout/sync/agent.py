@@ -361,6 +361,10 @@ class SyncAgent:
                 # deadline its worker is blocked in a collective whose peer is gone, and every
                 # later call (finish, pause, reload) would queue behind it forever.
                 error = f"the engine did not finish {clock.current} within {step_limit:.0f}s"
+                if clock.current == "join":
+                    # Its rendezvous answered (probed first): what hangs is the transport's own
+                    # connections, which a firewall that drops them leaves waiting like this.
+                    error += f" (the rendezvous answered; the transport's own connections did not: {net.TRANSPORT_PORTS_HINT})"
                 wedged = not has_deadline
                 logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
             except net.RendezvousUnreachable as e:

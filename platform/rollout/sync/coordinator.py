@@ -10,6 +10,7 @@ deadline; otherwise it is aborted and the publisher gets the reason.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -63,9 +64,39 @@ class _Round:
     started: dict[str, Optional[str]] = field(default_factory=dict)
     update_info: Optional[dict] = None
     update_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # Per-member bookkeeping kept as the calls arrive, so that each poll, report and
+    # "applied" costs the same at 1,000 members as at 10 (scanning the members on every
+    # call made a round's coordination grow with their square).
+    by_id: dict[str, Member] = field(init=False)
+    member_ids: frozenset[str] = field(init=False)
+    missing: set[str] = field(init=False)  # members that have not reported
+    failed: set[str] = field(init=False)  # replicas whose report is an error
+    applied_members: int = 0
 
     def __post_init__(self) -> None:
         self.version = self.version or self.plan.version
+        self.by_id = {m.replica_id: m for m in self.plan.members}
+        self.member_ids = frozenset(self.by_id)
+        self.missing = set(self.member_ids)
+        self.failed = set()
+
+    def record_report(self, replica_id: str, error: Optional[str]) -> None:
+        self.reports[replica_id] = error
+        self.missing.discard(replica_id)
+        (self.failed.add if error else self.failed.discard)(replica_id)
+
+    def record_applied(self, replica_id: str) -> None:
+        if replica_id in self.member_ids and replica_id not in self.applied:
+            self.applied_members += 1
+        self.applied.add(replica_id)
+        if self.applied_members == len(self.member_ids):
+            self.all_applied.set()
+
+    def plan_for(self, replica_id: str) -> RoundPlan:
+        """The plan as one member receives it: only its own entry of ``members`` (its rank
+        offset; the world size says the rest). The whole list to every member would make
+        the bytes a round sends grow with the square of the members."""
+        return dataclasses.replace(self.plan, members=(self.by_id[replica_id],)) if len(self.plan.members) > 1 else self.plan
 
 
 @dataclass(frozen=True)
@@ -170,8 +201,8 @@ class WeightSyncCoordinator(RouteSessions):
         rnd = self.round
         if rnd is None or rnd.decided.is_set() or replica_id in rnd.reports:
             return None
-        if any(m.replica_id == replica_id for m in rnd.plan.members):
-            return rnd.plan
+        if replica_id in rnd.member_ids:
+            return rnd.plan_for(replica_id)
         return None
 
     def _live(self) -> dict[str, int]:
@@ -179,7 +210,7 @@ class WeightSyncCoordinator(RouteSessions):
         # A member of the undecided round is busy in it (receiving, or blocked in report()
         # until the decision) and does not poll; the round's deadline bounds how long.
         rnd = self.round
-        busy = {m.replica_id for m in rnd.plan.members} if rnd is not None and not rnd.decided.is_set() else set()
+        busy = rnd.member_ids if rnd is not None and not rnd.decided.is_set() else frozenset()
         for rid in [rid for rid, r in self.replicas.items() if r.last_seen < horizon and rid not in busy]:
             logger.warning("replica %s stopped polling; dropped from membership", rid)
             del self.replicas[rid]
@@ -356,7 +387,7 @@ class WeightSyncCoordinator(RouteSessions):
                 (Member(replica_id, 1, r.ranks),),
                 world_size=1 + r.ranks,
                 master_address="" if checkpoint else net.own_address(),
-                master_port=0 if checkpoint else net.free_port(),
+                master_port=0 if checkpoint else net.free_port(self.config.sync.rendezvous_port_range(), "sync.rendezvous_ports"),
                 pause_mode="keep",
                 restore=True,
                 checkpoint=checkpoint,
@@ -451,13 +482,9 @@ class WeightSyncCoordinator(RouteSessions):
 
     def _decide_if_complete(self, rnd: _Round) -> None:
         """Close the round at the first failure, or once every participant has reported."""
-        if rnd.trainer_error or rnd.keeper_error or any(rnd.reports.values()):
+        if rnd.trainer_error or rnd.keeper_error or rnd.failed:
             self._close_round(rnd)
-        elif (
-            rnd.trainer_done
-            and all(m.replica_id in rnd.reports for m in rnd.plan.members)
-            and (rnd.plan.keeper_rank is None or rnd.keeper_reported)
-        ):
+        elif rnd.trainer_done and not rnd.missing and (rnd.plan.keeper_rank is None or rnd.keeper_reported):
             self._close_round(rnd)
 
     def _past_outcome(self, round_id: str) -> Optional[RoundOutcome]:
@@ -483,7 +510,7 @@ class WeightSyncCoordinator(RouteSessions):
         if past is not None:
             return past
         rnd = self._round(round_id)
-        rnd.reports[replica_id] = error
+        rnd.record_report(replica_id, error)
         if error and unreachable:
             rnd.unreachable = unreachable
         self._decide_if_complete(rnd)
@@ -515,7 +542,7 @@ class WeightSyncCoordinator(RouteSessions):
             except asyncio.TimeoutError:
                 # The version stays committed (every member received it); the publisher's
                 # outcome names who does not serve it yet instead of claiming they all do.
-                rnd.outcome.unconfirmed = sorted({m.replica_id for m in rnd.plan.members} - rnd.applied)
+                rnd.outcome.unconfirmed = sorted(rnd.member_ids - rnd.applied)
                 logger.warning("%s committed; %s did not confirm serving it within %ss", round_id, rnd.outcome.unconfirmed, rnd.plan.timeout_s)
                 if self.metrics is not None:
                     self.metrics.unconfirmed(len(rnd.outcome.unconfirmed))
@@ -532,9 +559,7 @@ class WeightSyncCoordinator(RouteSessions):
         if rnd is not None and rnd.plan.round_id == round_id:
             if rnd.outcome is not None and phases:
                 rnd.outcome.phases[replica_id] = dict(phases)
-            rnd.applied.add(replica_id)
-            if rnd.applied >= {m.replica_id for m in rnd.plan.members}:
-                rnd.all_applied.set()
+            rnd.record_applied(replica_id)
 
     def _seen(self, replica_id: str) -> None:
         r = self.replicas.get(replica_id)

@@ -1,4 +1,4 @@
-"""Which address a process advertises for a transfer group, and whether a peer can reach one.
+"""Which address and port a process advertises for a transfer group, and whether a peer can reach one.
 
 The one owner of that choice: the publisher's rendezvous (``master_address``), and the
 address every rank's transport binds to and announces to its peers (gloo's pairs), come
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass
@@ -39,10 +40,94 @@ class Choice:
     source: str
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+# The ports a publisher (the trainer's side) hosts its rendezvous on, "LOW-HIGH": the
+# TCPStore of each round and of the coordinator's copy. Unset: one the kernel picks from
+# its ephemeral range. The transports' own listeners (gloo's pairs, NCCL's bootstrap)
+# bind to port 0 and have no setting of their own: only the kernel's
+# ``net.ipv4.ip_local_port_range`` (per network namespace, so per pod) confines them.
+PORTS_ENV = "ROLLOUT_PUBLISHER_PORTS"
+EPHEMERAL_SYSCTL = "net.ipv4.ip_local_port_range"
+TRANSPORT_PORTS_HINT = (
+    f"gloo's pairs and NCCL's bootstrap listen on ports each host's kernel picks from {EPHEMERAL_SYSCTL}, "
+    "and every host's firewall or NetworkPolicy must admit that range from its peers (the README's 'Ports the sync uses')"
+)
+_EPHEMERAL_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+@dataclass(frozen=True)
+class PortRange:
+    """Inclusive TCP port range, written ``LOW-HIGH`` (a single port is ``N``)."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, text: str, setting: str) -> "PortRange":
+        """``LOW-HIGH`` or ``N``; a ``ValueError`` naming ``setting`` otherwise."""
+        low, sep, high = str(text).strip().partition("-")
+        try:
+            r = cls(int(low), int(high) if sep else int(low))
+        except ValueError:
+            raise ValueError(f"{setting}: {text!r} is not a port range; write LOW-HIGH, e.g. 40000-40099") from None
+        if not 1 <= r.low <= r.high <= 65535:
+            raise ValueError(f"{setting}: {text!r} must satisfy 1 <= LOW <= HIGH <= 65535")
+        return r
+
+    def __contains__(self, port: object) -> bool:
+        return isinstance(port, int) and self.low <= port <= self.high
+
+    def __str__(self) -> str:
+        return f"{self.low}-{self.high}"
+
+
+def publisher_ports() -> Optional[PortRange]:
+    """:data:`PORTS_ENV`'s range, or None when unset."""
+    text = os.environ.get(PORTS_ENV, "").strip()
+    return PortRange.parse(text, PORTS_ENV) if text else None
+
+
+def ephemeral_ports() -> Optional[PortRange]:
+    """The kernel's ephemeral range in this process's network namespace (what a bind to
+    port 0 picks from), or None where it cannot be read."""
+    try:
+        low, high = open(_EPHEMERAL_PATH).read().split()
+        return PortRange(int(low), int(high))
+    except (OSError, ValueError):
+        return None
+
+
+class NoFreePort(RuntimeError):
+    """No port of a configured range could be bound on this host."""
+
+
+def free_port(ports: Optional[PortRange] = None, setting: str = PORTS_ENV) -> int:
+    """A TCP port free on this host now: one of ``ports`` (tried in random order, so
+    publishers sharing a host rarely race for the same one), or the kernel's pick from
+    its ephemeral range when None. ``setting`` names where ``ports`` came from, for the
+    error when every port of it is taken."""
+    if ports is None:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+    candidates = list(range(ports.low, ports.high + 1))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise NoFreePort(f"no free TCP port in {ports} ({setting}) on {socket.gethostname()}: widen the range or end what holds it")
+
+
+def describe_port(port: int, ports: Optional[PortRange], setting: str = PORTS_ENV) -> str:
+    """Where ``port`` came from, for an error that must say which setting moves it."""
+    if ports is not None:
+        return f"port {port} from {setting}={ports}"
+    ephemeral = ephemeral_ports()
+    where = f" ({EPHEMERAL_SYSCTL} {ephemeral})" if ephemeral else ""
+    return f"port {port}, picked by the kernel from its ephemeral range{where}; set {setting} to a range the replicas' path admits"
 
 
 def _is_loopback(address: str) -> bool:

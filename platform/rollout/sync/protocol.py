@@ -52,6 +52,14 @@ class PublisherUnreachableError(SyncError):
         return (type(self), (str(self), self.address, self.port))
 
 
+class CoordinatorUnreachableError(SyncError):
+    """The publisher could not reach the coordinator within a call's bound (its link, the
+    ingress or the coordinator went away). Raised mid-round, the round is decided without
+    this publisher: it aborts at its deadline (every replica keeps the committed version)
+    unless the publisher's finish reached the coordinator; ``status()`` tells once it
+    answers again."""
+
+
 class NotRegisteredError(SyncError):
     """The coordinator does not know the replica (it restarted): register, then ask again."""
 

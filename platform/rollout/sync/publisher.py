@@ -21,7 +21,7 @@ import torch
 from rollout.sync import net
 from rollout.sync.backends import get_backend, make_sender
 from rollout.sync.backends.base import Sender
-from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, ParamSpec, PublisherUnreachableError, RoundOutcome, RoundPlan, RoundRequest, SyncError
+from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, CoordinatorUnreachableError, ParamSpec, PublisherUnreachableError, RoundOutcome, RoundPlan, RoundRequest, SyncError
 from rollout.sync.remote import CoordinatorClient, HandleCoordinator, HttpCoordinator
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,21 @@ def _token(explicit: Optional[str]) -> Optional[str]:
 # decided without it (a member failed): a send blocked on ranks that will never join then
 # ends in seconds, not at the round's deadline. A send that ends sooner asks nothing.
 DECIDED_POLL_S = 1.0
+# Each of those questions waits at most this long: a coordinator that does not answer (its
+# link cut) must not hold the send loop past the round's deadline.
+DECIDED_ASK_S = 5.0
+# Past the coordinator's own bound on a finish, what the HTTP round trip may add.
+FINISH_MARGIN_S = 10.0
+
+
+def _finish_bound_s(plan: RoundPlan, error: Optional[str], since_open_s: float) -> float:
+    """How long the finish call may take before the coordinator counts as lost. It decides
+    an abort at once; a commit by the round's deadline (three steps from opening) and then
+    waits one more step for the members to serve it. Beyond that nothing is slow: the
+    coordinator is out of reach."""
+    if error:
+        return plan.timeout_s + FINISH_MARGIN_S
+    return max(plan.timeout_s, 4 * plan.timeout_s - since_open_s) + FINISH_MARGIN_S
 
 
 def _send_with_deadline(sender, plan, tensors, decided: Callable[[], bool] = lambda: False) -> Optional[str]:
@@ -72,7 +87,7 @@ def _send_with_deadline(sender, plan, tensors, decided: Callable[[], bool] = lam
 def _decided(coordinator: CoordinatorClient, round_id: str) -> Callable[[], bool]:
     def check() -> bool:
         try:
-            rounds = coordinator.status().get("recent_rounds") or []
+            rounds = coordinator.status(timeout_s=DECIDED_ASK_S).get("recent_rounds") or []
         except Exception as e:  # the deadline still ends the send
             logger.warning("asking the coordinator whether %s is decided failed: %s", round_id, e)
             return False
@@ -82,10 +97,14 @@ def _decided(coordinator: CoordinatorClient, round_id: str) -> Callable[[], bool
 
 
 class WeightPublisher:
-    def __init__(self, coordinator: CoordinatorClient, backend: str, token: Optional[str]):
+    def __init__(self, coordinator: CoordinatorClient, backend: str, token: Optional[str], ports: Union[str, net.PortRange, None] = None):
         self._coordinator = coordinator
         self.backend = backend
         self._token = token
+        # Where this process hosts its rendezvous (each round's, the coordinator's copy's):
+        # ``ports``, else ROLLOUT_PUBLISHER_PORTS, else a port the kernel picks.
+        self._ports_setting = "ports" if ports is not None else net.PORTS_ENV
+        self.ports = net.PortRange.parse(ports, "ports") if isinstance(ports, str) else ports if ports is not None else net.publisher_ports()
         self.last_sync_s: Optional[float] = None
         self.last_phases: dict[str, float] = {}
         self.last_outcome: Optional[RoundOutcome] = None
@@ -96,31 +115,45 @@ class WeightPublisher:
         self._copy: Optional[tuple[threading.Thread, float]] = None
 
     @classmethod
-    def connect(cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None, timeout_s: float = 600.0) -> "WeightPublisher":
+    def connect(
+        cls, app_name: str = "rollout", backend: str = "auto", token: Optional[str] = None, timeout_s: float = 600.0, *, ports: Union[str, net.PortRange, None] = None
+    ) -> "WeightPublisher":
         """Attach to the platform's coordinator from a process in the Ray cluster.
 
         ``timeout_s`` bounds every call to the coordinator (a round's commit waits up to
         about four times ``sync.timeout_s``: keep it above that).
 
-        ``token`` defaults to ``ROLLOUT_SYNC_TOKEN`` from the environment.
+        ``token`` defaults to ``ROLLOUT_SYNC_TOKEN`` from the environment; ``ports``
+        (``"LOW-HIGH"``) to ``ROLLOUT_PUBLISHER_PORTS``: where this process hosts each
+        round's rendezvous, which the replicas connect to.
         """
         from ray import serve
 
         handle = serve.get_deployment_handle(COORDINATOR_NAME, app_name=app_name)
-        return cls(HandleCoordinator(handle, timeout_s), backend, _token(token))
+        return cls(HandleCoordinator(handle, timeout_s), backend, _token(token), ports=ports)
 
     @classmethod
     def http(
-        cls, base_url: str, api_key: Optional[str] = None, backend: str = "auto", token: Optional[str] = None, timeout_s: float = 600.0
+        cls,
+        base_url: str,
+        api_key: Optional[str] = None,
+        backend: str = "auto",
+        token: Optional[str] = None,
+        timeout_s: float = 600.0,
+        *,
+        ports: Union[str, net.PortRange, None] = None,
     ) -> "WeightPublisher":
         """Attach through the HTTP ingress, from a process outside the Ray cluster.
 
         The replicas connect back to this process for the transfer itself, at the
         address of its interface that routes to ``base_url``'s host (see
         :func:`rollout.sync.net.choose`); set ``ROLLOUT_PUBLISHER_ADDRESS`` to an address
-        of this host that they reach where that one is not.
+        of this host that they reach where that one is not. They connect to the port
+        of the rendezvous (``ports``, default ``ROLLOUT_PUBLISHER_PORTS``, a ``"LOW-HIGH"``
+        range a firewall can open) and to gloo's listeners, whose ports the kernel picks
+        from ``net.ipv4.ip_local_port_range`` (see the README's "Ports the sync uses").
         """
-        return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token))
+        return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token), ports=ports)
 
     def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None) -> int:
         """Send weights to every live replica; return the committed version once every
@@ -150,7 +183,7 @@ class WeightPublisher:
         self.flush()  # one copy at a time, in the order of the commits
         if self._sender is None:
             self._sender = make_sender(backend)
-        copy_group, copy_port = self._sender.copy_offer() if get_backend(backend).keeps_copy else ("", 0)
+        copy_group, copy_port = self._sender.copy_offer(self.ports, self._ports_setting) if get_backend(backend).keeps_copy else ("", 0)
         advertised = net.choose(toward=self._coordinator.host)
         if not net.is_local(advertised.address):
             # Found here, before any replica pauses, rather than as the transport's failure
@@ -162,7 +195,7 @@ class WeightPublisher:
         request = RoundRequest(
             params=tuple(specs),
             master_address=advertised.address,
-            master_port=net.free_port(),
+            master_port=net.free_port(self.ports, self._ports_setting),
             version=version,
             reuse_group=self._sender.group_name,
             transfer_info=self._sender.offer(list(tensors.values())),
@@ -179,7 +212,15 @@ class WeightPublisher:
             # A sender thread abandoned at the deadline may still hold the group.
             self._sender = None
         t_sent = time.perf_counter()
-        outcome = self._coordinator.finish(self._token, plan.round_id, error)
+        try:
+            outcome = self._coordinator.finish(self._token, plan.round_id, error, timeout_s=_finish_bound_s(plan, error, t_sent - t_open))
+        except CoordinatorUnreachableError as e:
+            self._sender = None  # whether the round committed is unknown: its group is not reused
+            raise CoordinatorUnreachableError(
+                f"{plan.round_id}: {e}{f' after the send failed ({error})' if error else ''}. The round is decided without this "
+                f"publisher: it aborts at its deadline (replicas keep the committed version) unless the finish reached the "
+                "coordinator; status() has the committed version once it answers"
+            ) from None
         t_done = time.perf_counter()
         # Where the trainer's time went; the replicas' own steps are in outcome.phases.
         self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
@@ -193,8 +234,9 @@ class WeightPublisher:
         if outcome.unreachable:
             raise PublisherUnreachableError(
                 f"{plan.round_id} aborted: the replicas cannot reach this publisher at {outcome.unreachable}, "
-                f"the address it advertised ({advertised.source}): {outcome.error}. Set {net.ADDRESS_ENV} to an "
-                f"address of this host that the replicas reach; replicas keep version {outcome.version}",
+                f"the address it advertised ({advertised.source}), {net.describe_port(plan.master_port, self.ports, self._ports_setting)}: "
+                f"{outcome.error}. Set {net.ADDRESS_ENV} to an address of this host that the replicas reach, and let them "
+                f"connect to that port; replicas keep version {outcome.version}",
                 plan.master_address,
                 plan.master_port,
             )

@@ -10,7 +10,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 
 from rollout.api import NonNegativeInt, _integral
 from rollout.errors import InvalidRequestError, unwrap_remote
-from rollout.sync.protocol import ParamSpec, RoundOutcome, RoundPlan, RoundRequest, SyncError
+from rollout.sync.protocol import CoordinatorUnreachableError, ParamSpec, RoundOutcome, RoundPlan, RoundRequest, SyncError
 
 PLAN = TypeAdapter(RoundPlan)
 OUTCOME = TypeAdapter(RoundOutcome)
@@ -87,14 +87,16 @@ class CoordinatorClient(Protocol):
     # there (rollout.sync.net.choose).
     host: Optional[str]
 
+    # Every call raises CoordinatorUnreachableError when the coordinator does not answer
+    # within ``timeout_s`` (default: the client's own bound).
     def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan: ...
 
-    def finish(self, token: Optional[str], round_id: str, error: Optional[str]) -> RoundOutcome:
+    def finish(self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None) -> RoundOutcome:
         """``error`` None: the trainer sent everything; else it aborts the round. Takes the
         same credential as :meth:`begin_round`: a round's id is public (``status``)."""
         ...
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]: ...
 
 
 class HandleCoordinator:
@@ -104,13 +106,14 @@ class HandleCoordinator:
         self.handle = handle
         self.timeout_s = timeout_s  # like HttpCoordinator's: a coordinator that never answers is an error
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, timeout_s: Optional[float] = None):
         from ray.exceptions import RayActorError
 
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return getattr(self.handle, method).remote(*args).result(timeout_s=self.timeout_s)
+            return getattr(self.handle, method).remote(*args).result(timeout_s=timeout_s)
         except TimeoutError:
-            raise SyncError(f"the coordinator did not answer {method} within {self.timeout_s:g}s") from None
+            raise CoordinatorUnreachableError(f"the coordinator did not answer {method} within {timeout_s:g}s") from None
         except Exception as e:
             cause = unwrap_remote(e)
             if isinstance(cause, RayActorError):
@@ -124,11 +127,11 @@ class HandleCoordinator:
     def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
         return self._call("begin_round", token, request)
 
-    def finish(self, token: Optional[str], round_id: str, error: Optional[str]) -> RoundOutcome:
-        return self._call("finish", token, round_id, error)
+    def finish(self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None) -> RoundOutcome:
+        return self._call("finish", token, round_id, error, timeout_s=timeout_s)
 
-    def status(self) -> dict[str, Any]:
-        return self._call("status")
+    def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
+        return self._call("status", timeout_s=timeout_s)
 
 
 class HttpCoordinator:
@@ -139,24 +142,41 @@ class HttpCoordinator:
         self.client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.host = self.client.base_url.host or None
 
-    def _post(self, path: str, body: dict, token: Optional[str] = None) -> Any:
+    def _request(self, method: str, path: str, timeout_s: Optional[float] = None, **kwargs: Any) -> Any:
+        import httpx
+
         from rollout.client.http import raise_for_error
 
-        headers = {SYNC_TOKEN_HEADER: token} if token else {}
-        resp = self.client.post(path, json=body, headers=headers)
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+        try:
+            resp = self.client.request(method, path, timeout=timeout, **kwargs)
+        except httpx.TransportError as e:
+            # A link cut, an ingress gone: without this a trainer gets httpx's own error, or
+            # (on a link that drops packets) waits out the client's whole timeout first.
+            within = f" within {timeout_s:.3g}s" if timeout_s is not None else ""
+            raise CoordinatorUnreachableError(f"the coordinator at {self.client.base_url} did not answer {method} {path}{within} ({type(e).__name__}: {e})") from None
+        if resp.status_code == 409:
+            # The ingress answers a SyncError with 409 "sync_error": the same type here.
+            try:
+                err = resp.json().get("error", {})
+            except ValueError:
+                err = {}
+            if isinstance(err, dict) and err.get("type") == "sync_error":
+                raise SyncError(err.get("message", "HTTP 409"))
         raise_for_error(resp)
         return resp.json()
+
+    def _post(self, path: str, body: dict, token: Optional[str] = None, timeout_s: Optional[float] = None) -> Any:
+        headers = {SYNC_TOKEN_HEADER: token} if token else {}
+        return self._request("POST", path, timeout_s, json=body, headers=headers)
 
     def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
         body = BeginRoundBody.of(request).model_dump(mode="json")
         return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
 
-    def finish(self, token: Optional[str], round_id: str, error: Optional[str]) -> RoundOutcome:
-        return OUTCOME.validate_python(self._post(f"/v1/sync/rounds/{round_id}/finish", FinishBody(error=error).model_dump(mode="json"), token))
+    def finish(self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None) -> RoundOutcome:
+        body = FinishBody(error=error).model_dump(mode="json")
+        return OUTCOME.validate_python(self._post(f"/v1/sync/rounds/{round_id}/finish", body, token, timeout_s))
 
-    def status(self) -> dict[str, Any]:
-        from rollout.client.http import raise_for_error
-
-        resp = self.client.get("/v1/sync/status")
-        raise_for_error(resp)
-        return resp.json()
+    def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
+        return self._request("GET", "/v1/sync/status", timeout_s)

@@ -49,9 +49,15 @@ class Session:
     keeper_joined: bool = False
     keeper_error: Optional[str] = None
 
-    @property
-    def member_ids(self) -> set[str]:
-        return {m.replica_id for m in self.plan.members}
+    def __post_init__(self) -> None:
+        # Asked on every poll of every replica: built once, not per call (that made a
+        # session's polls cost the square of its members).
+        self.by_id = {m.replica_id: m for m in self.plan.members}
+        self.member_ids = frozenset(self.by_id)
+
+    def plan_for(self, replica_id: str) -> SessionPlan:
+        """The plan as one member receives it: only its own entry of ``members``."""
+        return dataclasses.replace(self.plan, members=(self.by_id[replica_id],)) if len(self.plan.members) > 1 else self.plan
 
 
 def _required(info: dict, key: str, kind: type) -> Any:
@@ -238,7 +244,7 @@ class RouteSessions:
     def _pending_join(self, replica_id: str) -> Optional[SessionPlan]:
         s = self._session
         if s is not None and replica_id in s.member_ids and replica_id not in s.joined:
-            return s.plan
+            return s.plan_for(replica_id)
         return None
 
     def _end_session(self, why: str) -> None:

@@ -31,8 +31,8 @@ class Sender(Protocol):
     def close(self) -> None:
         """Release the transfer group."""
 
-    # Backends that keep a copy (``SyncBackend.keeps_copy``) also have ``copy_offer()``
-    # (where the coordinator's copy goes: a group name and a port), ``send_copy(plan)``
+    # Backends that keep a copy (``SyncBackend.keeps_copy``) also have ``copy_offer(ports, setting)``
+    # (where the coordinator's copy goes: a group name and a port of ``ports``, when set), ``send_copy(plan)``
     # (after the commit, the round's weights to that copy) and ``drop_kept()``.
     #
     # Optional: ``phases``, seconds per step of the last send, where a transport reports

@@ -17,7 +17,7 @@ import torch
 from rollout.sync.backends.base import SyncBackend
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import send_buckets, send_packed
-from rollout.sync.net import free_port
+from rollout.sync.net import PORTS_ENV, PortRange, free_port
 from rollout.sync.protocol import Member, RoundPlan
 
 
@@ -58,11 +58,12 @@ class GlooSender:
     def offer(self, tensors: Sequence[torch.Tensor]) -> None:
         return None  # pushed by send()
 
-    def copy_offer(self) -> tuple[str, int]:
+    def copy_offer(self, ports: Optional[PortRange] = None, setting: str = PORTS_ENV) -> tuple[str, int]:
         """Where the coordinator's copy of the next round goes: a group of two formed for
         that copy alone (off the critical path, so its rendezvous costs no round anything,
-        and no stale group can outlive a restarted coordinator)."""
-        return f"copy-{uuid.uuid4().hex[:8]}", free_port()
+        and no stale group can outlive a restarted coordinator), its rendezvous on a port
+        of ``ports`` (the publisher's range) where one is set."""
+        return f"copy-{uuid.uuid4().hex[:8]}", free_port(ports, setting)
 
     def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
         # With a copy to send after the commit, the packed buckets are kept for it: the

@@ -32,6 +32,17 @@ class Rendezvous:
     timeout_s: float
 
 
+def _pairs_hint() -> str:
+    ephemeral = net.ephemeral_ports()
+    here = f" (here {ephemeral})" if ephemeral else ""
+    return (
+        f"gloo's listeners bind ports the kernel picks from {net.EPHEMERAL_SYSCTL}{here}, and of each pair the host "
+        "with the higher address connects to the lower one's listener: every host's firewall or NetworkPolicy must "
+        "admit that range from its peers (the README's 'Ports the sync uses')"
+    )
+
+
+
 def local_address(rendezvous: Rendezvous, rank: int) -> net.Choice:
     """The address this rank's gloo pairs listen on and announce to their peers.
 
@@ -69,6 +80,7 @@ class GlooGroup:
         self.name = r.name
         self.rank = rank
         self.world_size = r.world_size
+        self.master = (r.master_address, r.master_port)
         # First, since it only binds: an address that is not this host's fails here,
         # before the store (whose master connects to its own address) sends anything.
         options = _options(r, rank, timeout)
@@ -76,7 +88,11 @@ class GlooGroup:
         # ends the round with an error instead of a hang.
         self._store = dist.TCPStore(r.master_address, r.master_port, r.world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
         prefixed = dist.PrefixStore(r.name, self._store)
-        self._pg = dist.ProcessGroupGloo(prefixed, rank, r.world_size, options)
+        try:
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, r.world_size, options)
+        except RuntimeError as e:
+            # gloo's own message ("Connect timeout [none]") names neither side nor port.
+            raise RuntimeError(f"rank {rank} of {r.name} at {local_address(r, rank).address} could not connect gloo's pairs: {e}. {_pairs_hint()}") from None
 
     def broadcast_async(self, tensor: torch.Tensor, root: int = 0):
         """Start a broadcast; ``.wait()`` on the result. gloo runs it on its own
@@ -110,7 +126,10 @@ class GroupSlot:
 
     def join(self, rendezvous: Rendezvous, rank: int) -> GlooGroup:
         g = self.group
-        if g is not None and g.name == rendezvous.name and g.rank == rank and g.world_size == rendezvous.world_size:
+        # The rendezvous's address too: a trainer that starts a new transfer engine with the
+        # same group name (vLLM's trainers use a fixed one) hosts a new store, and a member
+        # keeping the old group would never join it.
+        if g is not None and (g.name, g.rank, g.world_size, g.master) == (rendezvous.name, rank, rendezvous.world_size, (rendezvous.master_address, rendezvous.master_port)):
             return g
         self.drop()
         self.group = GlooGroup(rendezvous, rank)
