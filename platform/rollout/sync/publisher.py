@@ -171,7 +171,9 @@ class WeightPublisher:
         ``SyncError`` when the round fails; replicas then keep the last committed version.
         ``PublisherUnreachableError`` (a ``SyncError``) says the replicas could not reach
         the address this process advertised: it names it, how it was chosen, and
-        ``ROLLOUT_PUBLISHER_ADDRESS``, which overrides it.
+        ``ROLLOUT_PUBLISHER_ADDRESS``, which overrides it. ``CoordinatorUnreachableError``
+        (a ``SyncError``) says the coordinator did not answer in time (this host's link or
+        the ingress went away): mid-round, within the round's own bounds, not the client's.
         """
         t0 = time.perf_counter()
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
