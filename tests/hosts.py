@@ -39,7 +39,8 @@ addresses above; the machine's own namespace gets no address and no route.
 The hosts share one PID and mount namespace: only the network is theirs. A Ray driver
 finds its raylet by listing the machine's processes, so one started on the trainer host
 attaches to the head's raylet over its Unix socket, as no pod could: run Ray drivers on
-the head (as :meth:`Hosts.replica_nodes` and :meth:`Hosts.deploy` do).
+the head (as :meth:`Hosts.replica_nodes` and :meth:`Hosts.deploy` do), or in a pod of their
+host (:func:`pod_argv`: PID and mount namespaces of its own) beside a Ray node started there.
 
 Everything a test starts runs inside these namespaces, so teardown finds each process by
 its namespace (``ip netns pids``) and ends it by id, then deletes the namespaces; it runs
@@ -107,6 +108,20 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def pod_argv(*argv: str) -> list[str]:
+    """``argv`` run as in a pod of its host: in a PID namespace of its own (``argv``'s shell
+    is its PID 1; ``ps`` and /proc list only its processes) and a mount namespace with
+    private tmpfs on ``/tmp`` and ``/dev/shm`` (a pod's emptyDirs), so a Ray driver there
+    finds only a raylet started in the same pod, by its processes and by the files of
+    /tmp/ray, as in a pod; its network stays its host's. ``argv`` is a shell command line
+    (``sh -c``) and its arguments. When ``unshare`` ends, however (``--kill-child`` is the
+    PID 1's parent-death signal, SIGKILL), the PID 1 dies, and with it, by the kernel, every
+    other process of the namespace; teardown also finds them by the host's network
+    namespace (``ip netns pids``)."""
+    mounts = "mount -t tmpfs pod-tmp /tmp && mount -t tmpfs pod-shm /dev/shm && exec sh -c \"$@\""
+    return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation=private", "sh", "-c", mounts, "pod", *argv]
 
 
 @dataclass
@@ -198,10 +213,11 @@ class Logged:
 class Trainer:
     """``tests/host_trainer.py`` on the trainer host: one JSON command, one JSON answer."""
 
-    def __init__(self, host: Host, url: str, api_key: str, model_dir: Path, log: Path, env: dict[str, str]):
+    def __init__(self, host: Host, url: str, api_key: str, model_dir: Path, log: Path, env: dict[str, str], argv: list[str] | None = None):
+        """``argv``: another command of the same protocol (default tests/host_trainer.py's)."""
         self.log = log
         self._err = open(log, "w")
-        argv = host.argv(sys.executable, "-u", "-m", "tests.host_trainer", url, api_key, str(model_dir))
+        argv = host.argv(*(argv or [sys.executable, "-u", "-m", "tests.host_trainer", url, api_key, str(model_dir)]))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env, cwd=ROOT)
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from rollout.routing.affinity import _score, affinity_key
-from tests.hosts import HEAD_ADDRESS, RAY_PORT, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS, CannotMakeHosts, Hosts, last_json
+from tests.hosts import HEAD_ADDRESS, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS, CannotMakeHosts, Hosts, last_json
 
 API_KEY = "hosts-key-0123456789"
 SYNC_TOKEN = "hosts-sync-token-0123456789"
@@ -247,25 +247,3 @@ def test_a_publish_from_the_trainer_host_commits_into_replicas_on_both_hosts(pla
     status = trainer.call(op="status")
     assert {r: v["version"] for r, v in status["replicas"].items()} == {rid: 5 for rid in expected}, status
     print(f"publishes into replicas on two hosts committed in {back['elapsed_s']:.1f}s and {again['elapsed_s']:.1f}s")
-
-
-def test_joining_the_ray_cluster_by_address_needs_token_mode_besides_the_token(platform, hosts, model_dir):
-    """Ray turns token authentication on by itself only for a cluster it finds locally
-    (``address="auto"`` with ``~/.ray/auth_token``, ray/_private/worker.py): a process that
-    joins by address (``RAY_ADDRESS``, as a trainer pod's does) with ``RAY_AUTH_TOKEN`` alone
-    never sends the token, and the GCS refuses it (``InvalidAuthToken``). With
-    ``RAY_AUTH_MODE=token`` as well it is let in: the worker host's node joined so (the
-    fixture's ``start_ray_worker``), and its replica serves (the scenarios above).
-
-    Not shown here: a trainer publishing through ``WeightPublisher.connect`` as a driver
-    from the trainer host. These hosts share one PID and mount namespace, and a Ray driver
-    finds "its" raylet by listing the machine's processes (ray._private.services.
-    find_node_ids), so a driver started on the trainer host attaches to the head's raylet
-    over its Unix socket: not what a pod, which sees no raylet, can do."""
-    pod = hosts.cluster_env(RAY_ADDRESS=f"{HEAD_ADDRESS}:{RAY_PORT}", ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
-    without_mode = {k: v for k, v in pod.items() if k != "RAY_AUTH_MODE"}
-    refused = hosts.driver(model_dir, seed=0, env=without_mode, timeout_s=120)
-    assert refused.get("error_type") == "ConnectionError", refused
-    assert "InvalidAuthToken" in refused["log"], refused["log"][-3000:]
-    assert (hosts.dir / "ray-worker.log").exists() and "Ray runtime started" in (hosts.dir / "ray-worker.log").read_text()
-    print(f"refused without RAY_AUTH_MODE after {refused['elapsed_s']:.0f}s")
