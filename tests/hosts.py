@@ -63,8 +63,10 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "rollouthosts"
@@ -505,3 +507,23 @@ class Hosts:
 
     def remove_files(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextmanager
+def made(worker: bool = False) -> Iterator[Hosts]:
+    """Fresh hosts for a test module: skips it (pytest.skip, with the reason) where
+    namespaces cannot be made; everything is torn down and its files removed when the
+    block ends, also on failure."""
+    import pytest
+
+    h = Hosts(worker=worker)
+    try:
+        h.create()
+    except CannotMakeHosts as e:
+        h.remove_files()
+        pytest.skip(str(e))
+    try:
+        yield h
+    finally:
+        h.destroy()
+        h.remove_files()

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from tests.hosts import HEAD_ADDRESS, HTTP_PORT, RAY_PORT, TRAINER_ADDRESS, CannotMakeHosts, Host, Hosts, Logged, Trainer, cmdline, pod_argv
+from tests.hosts import HEAD_ADDRESS, HTTP_PORT, RAY_PORT, TRAINER_ADDRESS, Host, Hosts, Logged, Trainer, cmdline, made, pod_argv
 
 API_KEY = "hosts-key-0123456789"
 SYNC_TOKEN = "hosts-sync-token-0123456789"
@@ -45,17 +45,8 @@ REFUSED_WITHIN_S = 90
 
 @pytest.fixture(scope="module")
 def hosts():
-    h = Hosts()
-    try:
-        h.create()
-    except CannotMakeHosts as e:
-        h.remove_files()
-        pytest.skip(str(e))
-    try:
+    with made() as h:
         yield h
-    finally:
-        h.destroy()
-        h.remove_files()
 
 
 def pod_env(hosts: Hosts, **extra: str) -> dict[str, str]:

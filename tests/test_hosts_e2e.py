@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from rollout.routing.affinity import _score, affinity_key
-from tests.hosts import HEAD_ADDRESS, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS, CannotMakeHosts, Hosts, last_json
+from tests.hosts import HEAD_ADDRESS, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS, last_json, made
 
 API_KEY = "hosts-key-0123456789"
 SYNC_TOKEN = "hosts-sync-token-0123456789"
@@ -43,17 +43,8 @@ PERTURBED = 1  # the seed of the "trained" weights the reference engine loads
 
 @pytest.fixture(scope="module")
 def hosts():
-    h = Hosts(worker=True)
-    try:
-        h.create()
-    except CannotMakeHosts as e:
-        h.remove_files()
-        pytest.skip(str(e))
-    try:
+    with made(worker=True) as h:
         yield h
-    finally:
-        h.destroy()
-        h.remove_files()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import time
 import pytest
 import yaml
 
-from tests.hosts import HEAD_ADDRESS, HTTP_PORT, RAY_PROCESS, WORKER_ADDRESS, CannotMakeHosts, Hosts, Trainer, cmdline
+from tests.hosts import HEAD_ADDRESS, HTTP_PORT, RAY_PROCESS, WORKER_ADDRESS, Hosts, Trainer, cmdline, made
 
 API_KEY = "faults-key-0123456789"
 SYNC_TOKEN = "faults-sync-token-0123456789"
@@ -125,41 +125,34 @@ def served(results: list[dict], version: int) -> tuple[list[list[int]], set[str]
 
 @pytest.fixture(scope="module")
 def cluster(model_dir):
-    hosts = Hosts(worker=True)
-    try:
-        hosts.create()
-    except CannotMakeHosts as e:
-        hosts.remove_files()
-        pytest.skip(str(e))
-    started = []
-    try:
-        key_file = hosts.dir / "api-key"
-        key_file.write_text(API_KEY + "\n")
-        config = hosts.platform_config(
-            model_dir, key_file, replicas=2,
-            sync={"timeout_s": SYNC_TIMEOUT_S, "bucket_bytes": BUCKET_BYTES},
-            # Serve's own health checks of the replicas, also shorter than the defaults (10 s, 30 s).
-            deployment={"control_resource": CONTROL_RESOURCE, "health_check_period_s": 2.0, "health_check_timeout_s": 10.0},
-        )  # fmt: skip
-        config_path = hosts.dir / "rollout.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        env = hosts.cluster_env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
-        head = hosts.start_ray_head({**env, **HEAD_RAY_ENV, "RAY_OVERRIDE_RESOURCES": json.dumps({CONTROL_RESOURCE: 1})})
-        started.append(head)
-        assert head.wait_for("Ray runtime started", 120), f"the Ray head did not start:\n{hosts.logs()}"
-        trainer = FaultTrainer(hosts, model_dir, hosts.env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN))
-        c = Cluster(hosts, trainer, env)
-        c.start_worker()
-        serve = hosts.serve(config_path, env)
-        started.append(serve)
-        assert serve.wait_for("serving ", START_TIMEOUT_S), f"rollout serve did not start within {START_TIMEOUT_S}s:\n{hosts.logs()}"
-        assert trainer.answer(120) == {"ready": True}, hosts.logs()
-        yield c
-    finally:
-        for p in reversed(started):
-            p.stop(grace_s=30)
-        hosts.destroy()
-        hosts.remove_files()
+    with made(worker=True) as hosts:
+        started = []
+        try:
+            key_file = hosts.dir / "api-key"
+            key_file.write_text(API_KEY + "\n")
+            config = hosts.platform_config(
+                model_dir, key_file, replicas=2,
+                sync={"timeout_s": SYNC_TIMEOUT_S, "bucket_bytes": BUCKET_BYTES},
+                # Serve's own health checks of the replicas, also shorter than the defaults (10 s, 30 s).
+                deployment={"control_resource": CONTROL_RESOURCE, "health_check_period_s": 2.0, "health_check_timeout_s": 10.0},
+            )  # fmt: skip
+            config_path = hosts.dir / "rollout.yaml"
+            config_path.write_text(yaml.safe_dump(config))
+            env = hosts.cluster_env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
+            head = hosts.start_ray_head({**env, **HEAD_RAY_ENV, "RAY_OVERRIDE_RESOURCES": json.dumps({CONTROL_RESOURCE: 1})})
+            started.append(head)
+            assert head.wait_for("Ray runtime started", 120), f"the Ray head did not start:\n{hosts.logs()}"
+            trainer = FaultTrainer(hosts, model_dir, hosts.env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN))
+            c = Cluster(hosts, trainer, env)
+            c.start_worker()
+            serve = hosts.serve(config_path, env)
+            started.append(serve)
+            assert serve.wait_for("serving ", START_TIMEOUT_S), f"rollout serve did not start within {START_TIMEOUT_S}s:\n{hosts.logs()}"
+            assert trainer.answer(120) == {"ready": True}, hosts.logs()
+            yield c
+        finally:
+            for p in reversed(started):
+                p.stop(grace_s=30)
 
 
 def test_rollouts_reach_replicas_on_both_ray_hosts(cluster):

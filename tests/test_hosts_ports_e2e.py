@@ -33,7 +33,7 @@ import yaml
 
 from rollout.sync.net import PortRange
 from tests import hosts_firewall as fw
-from tests.hosts import HEAD_ADDRESS, HTTP_PORT, ROOT, TRAINER_ADDRESS, CannotMakeHosts, Host, Hosts, _ip
+from tests.hosts import HEAD_ADDRESS, HTTP_PORT, ROOT, TRAINER_ADDRESS, CannotMakeHosts, Host, Hosts, _ip, made
 
 API_KEY = "ports-key-0123456789"
 SYNC_TOKEN = "ports-sync-token-0123456789"
@@ -198,22 +198,13 @@ def hosts():
         fw.check_possible()
     except fw.NoNetfilter as e:
         pytest.skip(str(e))
-    h = Hosts()
-    try:
-        h.create()
-    except CannotMakeHosts as e:
-        h.remove_files()
-        pytest.skip(str(e))
-    try:
+    with made() as h:
         # Before anything starts: every port bound to 0 from here on lands in these.
         fw.set_ephemeral_range(h.head, HEAD_EPHEMERAL)
         fw.set_ephemeral_range(h.trainer, TRAINER_EPHEMERAL)
         fw.apply(h.head, head_rules(), enforce=False)
         fw.apply(h.trainer, trainer_rules(), enforce=False)
         yield h
-    finally:
-        h.destroy()
-        h.remove_files()
 
 
 @pytest.fixture(scope="module")
