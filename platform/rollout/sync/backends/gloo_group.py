@@ -42,7 +42,6 @@ def _pairs_hint() -> str:
     )
 
 
-
 def local_address(rendezvous: Rendezvous, rank: int) -> net.Choice:
     """The address this rank's gloo pairs listen on and announce to their peers.
 
