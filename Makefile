@@ -60,8 +60,22 @@ $(MODEL)/model.safetensors: | $(STAMP)
 
 model: $(MODEL)/model.safetensors
 
+# Two pytest processes at once (2 cores are enough: much of each lane is waiting on
+# deadlines, start-ups and link cuts): the e2e modules that share one Ray cluster and Serve
+# app (marked e2e; tests/conftest.py's E2E_ORDER), and beside them every other test: the
+# cross-host modules, each with hosts and a cluster of its own, and the tests that need no
+# shared cluster. The second lane's output goes to build/test-beside.log and is printed
+# after the first; the target fails when either lane does.
 test: install model tools netfilter
-	$(BIN)/python -m pytest -q -rs --durations=20 -m "not quarantine" tests
+	@mkdir -p build
+	@echo "make test: the shared-cluster e2e modules here; every other test beside them (build/test-beside.log, printed at the end)"
+	@$(BIN)/python -m pytest -q -rs --durations=20 -p no:cacheprovider -m "not e2e and not quarantine" tests > build/test-beside.log 2>&1 & beside=$$!; \
+	trap 'kill $$beside 2>/dev/null' INT TERM; \
+	$(BIN)/python -m pytest -q -rs --durations=20 -m "e2e and not quarantine" tests; shared=$$?; \
+	wait $$beside; other=$$?; \
+	echo "==== every test but the shared-cluster e2e modules (build/test-beside.log) ===="; cat build/test-beside.log; \
+	echo "make test: shared-cluster e2e modules exit $$shared, every other test exit $$other"; \
+	[ $$shared -eq 0 ] && [ $$other -eq 0 ]
 
 # Several hosts on one machine (network namespaces, so root): a trainer outside the Ray
 # cluster, on a host whose hostname resolves to loopback, rolls out and publishes weights

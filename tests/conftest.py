@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.hosts import SYNC_POLLING
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "build" / "model"
 API_KEY = "test-key-0123456789"
@@ -105,8 +107,9 @@ def platform_config(model_dir, tmp_path_factory):
         limits={"max_n": MAX_N},
         # vLLM parses tool calls (named tool_choice included) only with auto tool choice on; the reference `vllm serve` gets the same.
         openai={"tool_call_parser": "hermes", "enable_auto_tool_choice": True},
-        # Short deadline so fault tests end quickly.
-        sync={"timeout_s": 10, "bucket_bytes": 1 << 16},
+        # Short deadline so fault tests end quickly; and a replica that went away (killed,
+        # or a test's ghost member) dropped after 6 s of silence, not the default 15 s.
+        sync={"timeout_s": 10, "bucket_bytes": 1 << 16, **SYNC_POLLING},
         # Two reward functions every replica can import: one scores, one raises on most text.
         rewards={"functions": {"length": "builtins:len", "json": "json:loads"}},
         # A tool by import path with no arguments (a forced call is then fully determined),

@@ -69,6 +69,13 @@ from pathlib import Path
 from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
+# sync.poll_s and sync.silent_polls of every test platform (these hosts' and
+# tests/conftest.py's): a replica that stopped polling (killed, its host lost, a test's
+# ghost member) is dropped after 6 s; the defaults (5 s x 3) took 15 s, which tests that
+# remove a replica waited out. Members of an undecided round are never dropped, and a
+# replica stops vouching for the committed version only after as long without an answer:
+# a live but busy one keeps about 5 s of slack.
+SYNC_POLLING = {"poll_s": 1.0, "silent_polls": 6}
 PREFIX = "rollouthosts"
 HEAD_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS = "10.231.1.1", "10.231.1.2", "10.231.1.3"
 SIDE_TRAINER_ADDRESS, SIDE_ADDRESS = "10.231.2.1", "10.231.2.2"
@@ -81,6 +88,13 @@ ENGINE_CPUS = 1
 RAY_PROCESS = re.compile(r"^ray::|raylet|gcs_server|/ray/(_private|dashboard|autoscaler|core|util)/|default_worker\.py|bin/ray start")
 # vLLM's engine core and workers (vllm.utils.system_utils.set_process_title).
 ENGINE_PROCESS = re.compile(r"^VLLM::")
+# For every ``ray start --block`` here: on SIGTERM, Ray first drains the node and waits up
+# to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (30 s) for it to go idle, which a node holding
+# Serve's controller or proxy never does (ray/_private/node.py, _drain_node_before_shutdown).
+# Every module's teardown waited that out for each Ray host, then killed ``ray start`` and
+# waited again for the agents it left. Nothing here needs the drain (the app is deleted
+# first): 0 turns it off, and ``ray start`` ends its processes at once.
+RAY_START_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 class CannotMakeHosts(Exception):
@@ -385,6 +399,7 @@ class Hosts:
         return self.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.ray_token, **extra)
 
     def start_ray_head(self, env: dict[str, str], num_cpus: int = ENGINE_CPUS) -> Logged:
+        env = {**env, **RAY_START_ENV}
         argv = [
             str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
             f"--node-ip-address={HEAD_ADDRESS}", f"--port={RAY_PORT}", f"--num-cpus={num_cpus}",
@@ -398,6 +413,7 @@ class Hosts:
         (a restarted node gets new ones)."""
         if self.worker is None:
             raise ValueError("Hosts(worker=True) has a worker host; these hosts have none")
+        env = {**env, **RAY_START_ENV}
         argv = [
             str(Path(sys.executable).with_name("ray")), "start", f"--address={HEAD_ADDRESS}:{RAY_PORT}", "--block",
             f"--node-ip-address={WORKER_ADDRESS}", f"--num-cpus={num_cpus}", "--disable-usage-stats",
@@ -418,6 +434,7 @@ class Hosts:
             "deployment": {"replicas": replicas, "num_cpus": ENGINE_CPUS},
             "http": {"host": "0.0.0.0", "port": HTTP_PORT, "api_key_file": str(api_key_file)},
             "metrics": {"enabled": False},
+            "sync": dict(SYNC_POLLING),
         }
         for name, section in sections.items():
             config[name] = {**config.get(name, {}), **section}
@@ -487,6 +504,12 @@ class Hosts:
         return {**(last_json(text) or {"error_type": "NoAnswer", "message": f"no answer within {timeout_s:.0f}s"}), "log": text}
 
     def destroy(self) -> None:
+        # Ray's processes first, hard: nothing of a test's Ray is needed any more, and its
+        # agents (ray::DashboardAgent, ray::RuntimeEnvAgent) outlive SIGTERM past any grace
+        # once their raylet is gone, so a polite stop only waited out stop_everything's
+        # grace, host by host. What is left (trainers, reference engines) then gets SIGTERM.
+        for h in self.all:
+            self.kill_ray(h)
         for h in self.all:
             h.stop_everything()
         for h in self.all:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
 
-from rollout.engine import coalesced_stats
-from rollout.engine.coalesced_stats import ITERATION_FIELDS, PREFIX_CACHE_SUMMED, _Pending, coalescing
+from rollout import coalesced_stats
+from rollout.coalesced_stats import ITERATION_FIELDS, PREFIX_CACHE_SUMMED, _Pending, coalescing
 
 
 def test_the_summary_covers_every_field_vllm_reports_per_step():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rollout.bench import coordinator_scale, report
 from rollout.sync.coordinator import WeightSyncCoordinator
-from rollout.sync.protocol import ParamSpec, RoundPlan, RoundRequest
+from rollout.sync.protocol import ParamSpec, PushRound, RoundRequest
 
 SYNC = Path(coordinator_scale.__file__).resolve().parents[1] / "sync"
 
@@ -56,7 +56,7 @@ async def _one_round(c: WeightSyncCoordinator, n: int, specs: list[ParamSpec]) -
     plan = await c.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1))
     for i in range(n):
         mine = await c.next_round(f"r{i}", 0)
-        assert isinstance(mine, RoundPlan) and mine.round_id == plan.round_id
+        assert isinstance(mine, PushRound) and mine.round_id == plan.round_id
         sent += len(pickle.dumps(mine))
     reports = [asyncio.create_task(c.report(plan.round_id, f"r{i}", None)) for i in range(n)]
     finish = asyncio.create_task(c.finish(None, plan.round_id))

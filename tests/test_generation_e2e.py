@@ -149,3 +149,19 @@ async def test_stats_report_engine_state_and_weight_version(handle_client, platf
     assert s.max_num_seqs == platform.model.max_num_seqs
     assert 0.0 <= s.kv_cache_usage <= 1.0
     assert s.prefix_cache_queries > 0
+
+
+async def test_stats_over_http_are_one_replicas_load_as_over_a_handle(http_client, handle_client, base_url, platform):
+    from rollout.engine.load import ReplicaLoad
+
+    await http_client.generate([greedy([1, 2, 3], max_tokens=2)])  # a prompt looked up in the prefix cache
+    over_http, over_handle = await http_client.stats(), await handle_client.stats()
+    assert isinstance(over_http, ReplicaLoad)
+    assert over_http.replica_id and over_http.weight_version == over_handle.weight_version == "default"
+    assert over_http.max_num_seqs == platform.model.max_num_seqs
+    assert 0.0 <= over_http.kv_cache_usage <= 1.0 and over_http.prefix_cache_queries > 0
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as c:
+        refused = await c.get("/v1/stats")
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        raw = await c.get("/v1/stats", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert raw.status_code == 200 and ReplicaLoad.model_validate(raw.json()).max_num_seqs == platform.model.max_num_seqs

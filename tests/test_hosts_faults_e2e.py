@@ -235,14 +235,16 @@ def check_orphans(cluster, since: float) -> float:
 def check_replaced(cluster, version: int, tag: str) -> None:
     """The worker host's replica is back on it, caught up before its first request, and
     both replicas serve the committed version's tokens."""
+    # The coordinator's status first: one HTTP call, where listing the replicas' nodes starts
+    # a Ray driver (seconds), asked only once the status holds.
     cluster.wait_until(
         "a replica on the worker host registered at the committed version",
-        lambda: sorted(cluster.nodes_of_replicas().values()) == [HEAD_ADDRESS, WORKER_ADDRESS]
-        and (s := cluster.status())
+        lambda: (s := cluster.status())
         and len(s["replicas"]) == 2
-        and all(r["version"] == version for r in s["replicas"].values()),
+        and all(r["version"] == version for r in s["replicas"].values())
+        and sorted(cluster.nodes_of_replicas().values()) == [HEAD_ADDRESS, WORKER_ADDRESS],
         START_TIMEOUT_S,
-        every_s=5.0,
+        every_s=1.0,
     )
     nodes = cluster.nodes_of_replicas()
     # Serve routes to the new replica once its constructor (which caught it up) returned

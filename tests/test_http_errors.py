@@ -87,3 +87,79 @@ def test_a_stream_that_breaks_after_it_started_is_not_turned_into_a_short_succes
     with TestClient(last_resort_app(), raise_server_exceptions=True) as client:
         with pytest.raises(RuntimeError, match="broke mid-stream"):
             client.get("/stream")
+
+
+# ---- the one table (rollout.wire_errors): the ingress answers from it, clients read it back
+
+def platform_errors():
+    from rollout.errors import AuthenticationError, EpisodeLostError, ForbiddenError, NotServingError, ReplicaLostError
+    from rollout.sync.protocol import CoordinatorUnreachableError, NoCommittedCopyError, SyncError
+
+    # (raised by a route, status, error.type, what a client raises back)
+    return [
+        (InvalidRequestError("requests[0].n", "too many"), 400, "invalid_request_error", InvalidRequestError),
+        (AuthenticationError("wrong API key"), 401, "authentication_error", AuthenticationError),
+        (ForbiddenError("/collective_rpc is not served here"), 403, "forbidden", ForbiddenError),
+        (EpisodeLostError("episode r1.x is not on this replica"), 404, "episode_lost", EpisodeLostError),
+        (StaleWeightsError("version 3 did not arrive"), 409, "stale_weights", StaleWeightsError),
+        (SyncError("round-1 aborted"), 409, "sync_error", SyncError),
+        (NoCommittedCopyError("nothing holds version 2"), 409, "sync_error", SyncError),
+        (CoordinatorUnreachableError("no answer"), 409, "sync_error", SyncError),
+        (OverloadedError("overloaded: full", 1.2), 429, "overloaded", OverloadedError),
+        (EngineUnavailableError("no replica"), 503, "engine_unavailable", EngineUnavailableError),
+        (ReplicaLostError("died", {0: [1]}), 503, "engine_unavailable", EngineUnavailableError),
+        (NotServingError("holds no weights"), 503, "engine_unavailable", EngineUnavailableError),
+    ]
+
+
+@pytest.mark.parametrize("raised,status,kind,read_back", platform_errors(), ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None)
+def test_the_ingress_answers_each_error_from_the_table_and_the_client_reads_the_same_type_back(raised, status, kind, read_back):
+    import asyncio
+    import json
+
+    from rollout.http.ingress import app
+
+    # The handler Starlette would pick: the one registered for the most specific class.
+    handler = next(app.exception_handlers[cls] for cls in type(raised).__mro__ if cls in app.exception_handlers)
+    response = asyncio.run(handler(None, raised))
+    body = json.loads(response.body)
+    assert response.status_code == status and body["error"]["type"] == kind and body["error"]["message"] == str(raised)
+    assert ("field" in body["error"]) == isinstance(raised, InvalidRequestError)
+    with pytest.raises(read_back) as exc:
+        raise_for_error(httpx.Response(status, content=response.body, headers=dict(response.headers)))
+    assert str(exc.value) == str(raised)
+    if isinstance(raised, OverloadedError):
+        assert response.headers["retry-after"] == "2" and exc.value.retry_after_s == 2.0
+    if isinstance(raised, InvalidRequestError):
+        assert (exc.value.field, exc.value.message) == (raised.field, raised.message)
+
+
+def test_every_error_the_schema_documents_is_described_by_the_table():
+    from rollout import wire_errors
+    from rollout.http.ingress import app
+
+    described = {(row.status, row.description) for row in wire_errors.TABLE}
+    documented = [
+        (path, verb, int(status), answer["description"])
+        for path, operations in app.openapi()["paths"].items()
+        for verb, operation in operations.items()
+        for status, answer in operation["responses"].items()
+        if status.isdigit() and int(status) >= 400
+    ]
+    assert documented, "the schema documents errors"
+    assert [d for d in documented if (d[2], d[3]) not in described] == []
+    assert ("/v1/stats", "get", 401, wire_errors.UNAUTHENTICATED.description) in documented
+
+
+def test_retryable_rows_are_the_engine_unavailable_family_and_an_unknown_409_stays_untyped():
+    from rollout import wire_errors
+
+    assert {row.type for row in wire_errors.TABLE if row.retryable} == {"stale_weights", "overloaded", "engine_unavailable"}
+    assert all(issubclass(row.error, EngineUnavailableError) == row.retryable for row in wire_errors.TABLE)
+    assert wire_errors.retryable(OverloadedError("full")) and not wire_errors.retryable(InvalidRequestError("x", "y"))
+    # A 409 of a kind this client does not know is neither a sync error nor stale weights.
+    with pytest.raises(RolloutError, match="HTTP 409: new kind") as exc:
+        raise_for_error(answer(409, {"error": {"type": "something_new", "message": "new kind"}}))
+    assert type(exc.value) is RolloutError
+    with pytest.raises(ValueError, match="two documented answers with status 409"):
+        wire_errors.responses(wire_errors.STALE_WEIGHTS, wire_errors.SYNC_FAILED)

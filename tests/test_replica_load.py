@@ -10,10 +10,14 @@ from types import SimpleNamespace
 from ray.serve._private.common import DeploymentID, ReplicaID
 
 from rollout.config import load_config
+from rollout.engine.adapter import EngineAdapter
 from rollout.engine.load import AUTOSCALING_METRICS, ReplicaLoad
 from rollout.engine.replica import RolloutEngine
 from rollout.engine.stats import SchedulerSnapshot
+from rollout.engine.sync_gate import SyncGate
+from rollout.engine.validation import ModelLimits
 from rollout.metrics import EngineMetrics
+from rollout.rewards import RewardScorer
 from rollout.routing.router import AffinityRouter
 from rollout.status import summarize
 
@@ -107,17 +111,18 @@ class FakeEngine:
 
 def replica(sync_version=None) -> RolloutEngine:
     r = object.__new__(RolloutEngine)  # the load reporting only: no vLLM engine behind it
-    r.config = load_config({"model": {"path": "/models/x", "max_num_seqs": 8}}, environ={})
-    r.replica_id, r.engine, r.inflight = "r", FakeEngine(), 0
-    r.sync = SimpleNamespace(version=sync_version, stop=lambda: None) if sync_version is not None else None
-    r.snapshot = SchedulerSnapshot()
+    config = load_config({"model": {"path": "/models/x", "max_num_seqs": 8}}, environ={})
+    sync = SimpleNamespace(version=sync_version, stop=lambda: None) if sync_version is not None else None
+    adapter = EngineAdapter(FakeEngine(), None, ModelLimits(vocab_size=100, max_model_len=64, max_n=4), SchedulerSnapshot())
+    r._assemble(config, "r", adapter, SyncGate.over(sync, config.sync, "r"), RewardScorer.from_config(config.rewards))
     return r
 
 
 async def test_stats_keep_their_public_fields_and_types():
     r = replica()
-    r.inflight, r.snapshot.running, r.snapshot.waiting, r.snapshot.kv_cache_usage = 2, 3, 1, 0.5
-    s = await r.stats()
+    r.adapter.snapshot.running, r.adapter.snapshot.waiting, r.adapter.snapshot.kv_cache_usage = 3, 1, 0.5
+    with r.admission.inflight.counted(2):
+        s = await r.stats()
     assert list(s.model_dump()) == PUBLIC_FIELDS
     assert json.loads(s.model_dump_json()) == {
         "replica_id": "r", "running": 3, "waiting": 1, "kv_cache_usage": 0.5, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
@@ -128,10 +133,11 @@ async def test_stats_keep_their_public_fields_and_types():
 
 def test_the_replica_reports_one_load_to_routers_and_to_the_autoscaler():
     r = replica(sync_version=3)
-    r.inflight, r.snapshot.running, r.snapshot.waiting, r.snapshot.kv_cache_usage = 2, 3, 1, 0.5
-    routed = ReplicaLoad.from_routing_stats("r", r.record_routing_stats())
-    assert routed == r._load() and routed.relative_load == 0.5 and routed.weight_version == "3"
-    scaled = r.record_autoscaling_stats()
+    r.adapter.snapshot.running, r.adapter.snapshot.waiting, r.adapter.snapshot.kv_cache_usage = 3, 1, 0.5
+    with r.admission.inflight.counted(2):
+        routed = ReplicaLoad.from_routing_stats("r", r.record_routing_stats())
+        assert routed == r._load() and routed.relative_load == 0.5 and routed.weight_version == "3"
+        scaled = r.record_autoscaling_stats()
     assert set(scaled) == set(AUTOSCALING_METRICS.values()) and all(type(v) is float for v in scaled.values())
     assert ReplicaLoad.from_autoscaling_metrics({m: {"r": v} for m, v in scaled.items()})["r"].sequences == 4
 
@@ -140,8 +146,8 @@ def test_an_idle_replica_reports_zeros_it_decided_on():
     # No request in flight and no engine step for over 2 s: the scheduler's last numbers
     # predate the final step, so the replica reports an empty engine (rollout.engine.replica).
     r = replica()
-    r.snapshot.running, r.snapshot.kv_cache_usage = 5, 0.9
-    r.snapshot.last_step_monotonic = time.monotonic() - 10
+    r.adapter.snapshot.running, r.adapter.snapshot.kv_cache_usage = 5, 0.9
+    r.adapter.snapshot.last_step_monotonic = time.monotonic() - 10
     load = ReplicaLoad.from_routing_stats("r", r.record_routing_stats())
     assert (load.running, load.waiting, load.kv_cache_usage, load.weight_version) == (0, 0, 0.0, "default")
 

@@ -185,16 +185,19 @@ class Unreachable:
         return type("Method", (), {"remote": staticmethod(fail)})
 
 
-def replica_with(agent, max_staleness=None):
+def replica_with(agent, max_staleness=None, engine=None):
     from rollout.config import load_config
+    from rollout.engine.adapter import EngineAdapter
     from rollout.engine.replica import RolloutEngine
+    from rollout.engine.stats import SchedulerSnapshot
+    from rollout.engine.sync_gate import SyncGate
+    from rollout.engine.validation import ModelLimits
     from rollout.rewards import RewardScorer
 
     r = object.__new__(RolloutEngine)  # the admission rule only: no vLLM engine behind it
-    r.config = load_config({"model": {"path": "/models/x"}, "sync": {"max_staleness": max_staleness}}, environ={})
-    r.replica_id, r.sync = "r", agent
-    r.engine = LiveEngine()
-    r.rewards = RewardScorer.from_config(r.config.rewards)
+    config = load_config({"model": {"path": "/models/x"}, "sync": {"max_staleness": max_staleness}}, environ={})
+    adapter = EngineAdapter(engine or LiveEngine(), None, ModelLimits(vocab_size=100, max_model_len=64, max_n=4), SchedulerSnapshot())
+    r._assemble(config, "r", adapter, SyncGate.over(agent, config.sync, "r"), RewardScorer.from_config(config.rewards))
     return r
 
 
@@ -220,15 +223,15 @@ async def test_a_replica_that_lost_the_coordinator_stops_vouching_for_its_versio
         assert agent.coordinator_lost_s() > 0.2 and agent.known_committed is None
         request = RolloutRequest(prompt_token_ids=[1, 2])
         with pytest.raises(StaleWeightsError, match="max_staleness 1"):
-            await replica_with(agent, max_staleness=1)._admit([(request, [1, 2])])
+            await replica_with(agent, max_staleness=1).gate.admit([(request, [1, 2])])
         with pytest.raises(StaleWeightsError, match="min_weight_version 4"):
-            await replica_with(agent)._admit([(request.model_copy(update={"min_weight_version": 4}), [1, 2])])
+            await replica_with(agent).gate.admit([(request.model_copy(update={"min_weight_version": 4}), [1, 2])])
         # No rule asks for a version: nothing to vouch for, the request is served.
-        await replica_with(agent)._admit([(request.model_copy(update={"min_weight_version": 3}), [1, 2])])
+        await replica_with(agent).gate.admit([(request.model_copy(update={"min_weight_version": 3}), [1, 2])])
         # The coordinator answers again: the replica vouches again.
         agent._heard_from_coordinator()
         assert agent.known_committed == 3
-        await replica_with(agent, max_staleness=1)._admit([(request, [1, 2])])
+        await replica_with(agent, max_staleness=1).gate.admit([(request, [1, 2])])
     finally:
         agent.stop()
 
@@ -248,8 +251,7 @@ async def test_a_result_without_version_spans_reports_its_staleness_as_unknown_n
 
     agent = SyncAgent(engine=None, coordinator=None, replica_id="r", ranks=1, model_path=str(model_dir))
     agent.version = 2
-    r = replica_with(agent)
-    r.engine, r.metrics = OneTokenEngine(), None
+    r = replica_with(agent, engine=OneTokenEngine())
     result = await r._generate_one(RolloutRequest(request_id="q", prompt_token_ids=[1, 2], sampling={"max_tokens": 1}), [1, 2])
     assert result.committed_version == 2 and result.staleness is None
 
@@ -266,9 +268,9 @@ async def test_a_version_no_publish_in_progress_can_bring_is_refused_at_once_not
     r.config.sync.timeout_s = 5
     far = RolloutRequest(prompt_token_ids=[1], min_weight_version=296)
     with pytest.raises(InvalidRequestError, match=r"requests\[3\].min_weight_version.*296 is ahead of the committed version 0"):
-        await asyncio.wait_for(r._admit([(far, [1])], offset=3), 1)
+        await asyncio.wait_for(r.gate.admit([(far, [1])], offset=3), 1)
     # The next version may come from a publish about to begin: held until it arrives.
-    held = asyncio.create_task(r._admit([(RolloutRequest(prompt_token_ids=[1], min_weight_version=1), [1])]))
+    held = asyncio.create_task(r.gate.admit([(RolloutRequest(prompt_token_ids=[1], min_weight_version=1), [1])]))
     await asyncio.sleep(0.05)
     assert not held.done()
     agent.version = 1

@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
+from rollout.sync.backends import get_backend
 from rollout.sync.coordinator import WeightSyncCoordinator
-from rollout.sync.protocol import ParamSpec, RoundRequest
+from rollout.sync.protocol import RESTORE_ROUNDS, ParamSpec, RoundRequest
 
 SPECS = [ParamSpec("w", "float32", (2, 2))]
 
@@ -27,7 +28,7 @@ async def test_a_member_that_reports_after_the_decision_and_a_newer_round_still_
     second = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 2))
     late = await c.report(first.round_id, "b", None)  # b's receive timed out late
     assert late.round_id == first.round_id and not late.committed
-    assert c.round.plan.round_id == second.round_id and not c.round.decided.is_set(), "the open round is untouched"
+    assert c.rounds.current.plan.round_id == second.round_id and not c.rounds.current.decided.is_set(), "the open round is untouched"
 
 
 async def received_by(c: WeightSyncCoordinator, members=("a", "b")):
@@ -95,8 +96,8 @@ async def test_an_ipc_round_carries_the_publishers_handles_to_every_member_and_k
     await c.register("a", 1, 0, SPECS)
     handles = {"ipc_handles_pickled": "aGFuZGxlcw=="}
     plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, transfer_info=handles))
-    assert plan.update_info()["ipc_handles_pickled"] == handles["ipc_handles_pickled"]
-    assert plan.keeper_rank is None and c.keeper is None
+    assert get_backend(plan.backend).update_info(plan.params, plan.transfer_info)["ipc_handles_pickled"] == handles["ipc_handles_pickled"]
+    assert plan.keeper_rank is None and c.store.keeper is None
     await commit(c, plan)
     assert c.committed_version == 1
 
@@ -113,7 +114,7 @@ async def test_transfer_info_that_does_not_fit_the_backend_is_rejected_before_a_
     with pytest.raises(InvalidRequestError, match="transfer_info") as e:
         await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, transfer_info=transfer_info))
     assert e.value.field.startswith("transfer_info")
-    assert c.round is None, "no round opened, no replica woke"
+    assert c.rounds.current is None, "no round opened, no replica woke"
 
 
 def test_where_the_weight_copy_goes_travels_over_http_and_a_group_without_a_port_is_refused():
@@ -155,7 +156,7 @@ async def test_a_committed_checkpoint_is_what_restores_reload_until_a_publish_wi
     await commit(c, await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, checkpoint="/ckpt/v1")))
     await c.register("b", 1, 0, SPECS)  # starts behind
     plan = await c.restore("b")
-    assert (plan.round_id.split("-")[0], plan.checkpoint, plan.version, plan.restore) == ("reload", "/ckpt/v1", 1, True)
+    assert (plan.round_id.split("-")[0], plan.checkpoint, plan.version, isinstance(plan, RESTORE_ROUNDS)) == ("reload", "/ckpt/v1", 1, True)
     assert [m.replica_id for m in plan.members] == ["b"]
     outcome = await c.report(plan.round_id, "b", None)  # nothing is sent: b's report decides
     assert outcome.committed and c.committed_version == 1
@@ -172,19 +173,19 @@ async def test_a_checkpoint_must_be_an_absolute_path():
     await c.register("a", 1, 0, SPECS)
     with pytest.raises(InvalidRequestError, match="absolute path") as e:
         await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, checkpoint="ckpt/v1"))
-    assert e.value.field == "checkpoint" and c.round is None
+    assert e.value.field == "checkpoint" and c.rounds.current is None
 
 
 async def test_a_member_waiting_for_a_slow_decision_is_not_dropped_as_silent():
-    c = coordinator()
-    c.poll_s = 0.01  # the silence horizon is 3 polls
+    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, "require_token": False, "poll_s": 0.01}}, "nccl")
+    assert c.membership.poll_s == 0.01  # the silence horizon is 3 polls
     await c.register("a", 1, 0, SPECS)
     await c.register("b", 1, 0, SPECS)
     plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 1, checkpoint="/ckpt/v1"))
     waiting = asyncio.create_task(c.report(plan.round_id, "a", None))  # b never reports (it died)
     await asyncio.sleep(0.1)
-    c._live()
-    assert "a" in c.replicas, "a is blocked in report(), not silent"
+    c.rounds.live()
+    assert "a" in c.membership.replicas, "a is blocked in report(), not silent"
     await asyncio.wait_for(waiting, 5)  # the deadline aborts the round
     assert not waiting.result().committed
 
@@ -222,7 +223,7 @@ async def test_with_a_weight_copy_the_publisher_sends_it_after_the_commit_and_a_
     sender = GlooSender()
     copy_group, copy_port = sender.copy_offer()
     plan = await c.begin_round(None, RoundRequest(specs, "127.0.0.1", _free_port(), copy_group=copy_group, copy_port=copy_port))
-    assert plan.keeper_rank is None and plan.world_size == 2 and plan.copy_group == copy_group, "the copy is not in the round"
+    assert plan.keeper_rank is None and plan.world_size == 2 and plan.copy.group_name == copy_group, "the copy is not in the round"
 
     received = {}
 
@@ -244,14 +245,14 @@ async def test_with_a_weight_copy_the_publisher_sends_it_after_the_commit_and_a_
     await asyncio.sleep(0.1)
     await c.applied(plan.round_id, "a", 1)
     assert (await asyncio.wait_for(finish, 5)).committed
-    assert c.keeper.version == 0, "the copy has not been sent yet"
+    assert c.store.keeper.version == 0, "the copy has not been sent yet"
     restore = asyncio.create_task(c.restore("a"))
     await asyncio.sleep(0.3)
     assert not restore.done(), "a restore waits for the copy on its way instead of failing"
 
     await asyncio.to_thread(sender.send_copy, plan)
     restore_plan = await asyncio.wait_for(restore, 10)
-    assert restore_plan.restore and restore_plan.version == 1 and c.keeper.version == 1
+    assert isinstance(restore_plan, RESTORE_ROUNDS) and restore_plan.version == 1 and c.store.keeper.version == 1
     restored = {}
 
     def restored_replica() -> None:
@@ -308,7 +309,7 @@ async def test_the_coordinators_copy_cannot_reach_the_publisher_either_the_round
     t0 = asyncio.get_running_loop().time()
     plan = await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", port))
     assert plan.keeper_rank is not None
-    await asyncio.wait_for(c.round.decided.wait(), 5)
+    await asyncio.wait_for(c.rounds.current.decided.wait(), 5)
     assert asyncio.get_running_loop().time() - t0 < 3, "decided by the probe, not the 60 s deadline"
     outcome = c.last_outcome
     assert not outcome.committed and outcome.unreachable == f"127.0.0.1:{port}"
@@ -343,7 +344,7 @@ async def test_finishing_or_aborting_a_round_takes_the_sync_token_not_just_the_r
     for credential, words in ((None, "missing sync token"), ("guess", "wrong sync token")):
         with pytest.raises(AuthenticationError, match=words):
             await c.finish(credential, plan.round_id, "aborted by a stranger")
-    assert not c.round.decided.is_set(), "a refused finish leaves the round open"
+    assert not c.rounds.current.decided.is_set(), "a refused finish leaves the round open"
     outcome = await asyncio.wait_for(c.finish("secret", plan.round_id, "the trainer gives up"), 2)
     assert not outcome.committed and "the trainer gives up" in outcome.error
 
@@ -351,11 +352,11 @@ async def test_finishing_or_aborting_a_round_takes_the_sync_token_not_just_the_r
 async def test_a_restore_round_finishes_itself_without_a_credential(monkeypatch, tmp_path):
     # The coordinator's own finish (the keeper's send, here failing at once) is not a caller's.
     c = guarded("secret", monkeypatch, require_token=True)
-    c.keeper = type("Keeper", (), {"version": 0, "send": lambda self, plan: (_ for _ in ()).throw(OSError("no peer"))})()
+    c.store.keeper = type("Keeper", (), {"version": 0, "send": lambda self, plan: (_ for _ in ()).throw(OSError("no peer"))})()
     await c.register("a", 1, 0, SPECS)
     plan = await c.restore("a")
-    await asyncio.wait_for(c.round.decided.wait(), 2)
-    assert c._past_outcome(plan.round_id).error.endswith("OSError: no peer")
+    await asyncio.wait_for(c.rounds.current.decided.wait(), 2)
+    assert c.rounds.past_outcome(plan.round_id).error.endswith("OSError: no peer")
 
 
 def test_whether_a_sync_token_is_needed_is_decided_by_the_config_not_by_each_processs_environment():
@@ -383,7 +384,7 @@ async def test_a_required_token_missing_where_the_coordinator_runs_refuses_every
     for credential in (None, "anything"):
         with pytest.raises(AuthenticationError, match="missing sync token|ROLLOUT_SYNC_TOKEN is not set where the coordinator runs"):
             await c.begin_round(credential, RoundRequest(tuple(SPECS), "127.0.0.1", 1))
-    assert c.round is None
+    assert c.rounds.current is None
 
 
 async def test_an_open_platform_takes_no_sync_token_even_where_one_is_in_the_environment(monkeypatch):

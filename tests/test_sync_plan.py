@@ -6,19 +6,43 @@ import pytest
 import torch
 
 from rollout.sync.backends import get_backend, make_sender
-from rollout.sync.coordinator import assign_ranks
-from rollout.sync.protocol import RoundPlan
-from rollout.sync.protocol import ParamSpec
+from rollout.sync.protocol import ParamSpec, PushRound, Transfer
+from rollout.sync.rules import assign_ranks
 from rollout.sync.wire import bucket_bytes_of, pack, plan_buckets, unpack
 
 
-def plan(backend: str) -> RoundPlan:
+def plan(backend: str) -> PushRound:
     members, world = assign_ranks({"b": 2, "a": 1})
-    return RoundPlan("round-1-x", 1, backend, "10.0.0.1", 29500, world, members, (ParamSpec("w", "float32", (2, 3)),), 1 << 20, "keep", 30.0)
+    return PushRound(
+        round_id="round-1-x", version=1, backend=backend, members=members, params=(ParamSpec("w", "float32", (2, 3)),),
+        bucket_bytes=1 << 20, timeout_s=30.0, transfer=Transfer("10.0.0.1", 29500, world), pause_mode="keep",
+    )
 
 
-def init_info(p: RoundPlan, replica_id: str) -> dict:
-    return get_backend(p.backend).init_info(p, p.member(replica_id))
+def init_info(p: PushRound, replica_id: str) -> dict:
+    return get_backend(p.backend).engine_init_info(p, p.member(replica_id))
+
+
+def test_each_kind_of_round_is_its_own_type_and_contradictory_plans_cannot_be_built():
+    import pickle
+    from dataclasses import replace
+
+    from rollout.sync.protocol import CopyGroup, Member, PullRound, ReloadRound
+    from rollout.sync.remote import PLAN
+
+    push = plan("gloo")
+    with pytest.raises(ValueError, match="either in the round \\(keeper_rank\\) or after it \\(copy\\)"):
+        replace(push, keeper_rank=3, copy=CopyGroup("copy-1", 29501))
+    with pytest.raises(ValueError, match="b.s ranks 2..3 are outside world size 3"):
+        replace(push, transfer=Transfer("10.0.0.1", 29500, 3))  # b's ranks are 2..3
+    with pytest.raises(ValueError, match="needs the checkpoint directory"):
+        ReloadRound(round_id="reload-1-x", version=1, backend="gloo", members=(Member("a", 1, 1),), params=(), bucket_bytes=1, timeout_s=1.0, checkpoint="")
+    pull = PullRound(round_id="restore-1-x", version=1, backend="gloo", members=(Member("a", 1, 1),), params=(), bucket_bytes=1, timeout_s=1.0, transfer=Transfer("10.0.0.2", 1, 2))
+    assert (push.kind, pull.kind, pull.pause_mode, pull.group) == ("push", "pull", "keep", "restore-1-x")
+    with_copy = replace(push, copy=CopyGroup("copy-1", 29501))
+    # Over Ray (pickled) and over HTTP (begin_round's answer) a plan arrives as it was sent.
+    assert pickle.loads(pickle.dumps(with_copy)) == with_copy
+    assert PLAN.validate_python(PLAN.dump_python(with_copy, mode="json")) == with_copy
 
 
 def test_ranks_are_contiguous_blocks_after_the_trainer_and_account_for_tensor_parallelism():
@@ -138,7 +162,7 @@ def test_ipc_plans_produce_vllms_own_ipc_init_and_update_info(monkeypatch):
     # vLLM reads pickled handles only where insecure serialization is allowed, as it is
     # in ipc replicas (rollout.engine.replica sets it for them).
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    info = IPCWeightTransferUpdateInfo(**ipc.update_info())
+    info = IPCWeightTransferUpdateInfo(**get_backend("ipc").update_info(ipc.params, ipc.transfer_info))
     assert (info.names, info.shapes, info.ipc_handles) == (["w"], [[2, 3]], handles)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rollout.sync import SyncError, WeightPublisher
+from rollout.sync.backends.base import CopyOffer, CopySender
 
 
 class RecordingCoordinator:
@@ -37,7 +38,7 @@ def test_a_coordinator_that_dies_mid_call_is_a_typed_sync_error_not_a_ray_error(
     # Before: publish() raised Ray's ActorDiedError, which a trainer catching SyncError missed.
     from ray.exceptions import ActorDiedError
 
-    from rollout.sync.remote import HandleCoordinator
+    from rollout.sync.coordinator_client import BlockingCoordinatorHandle
 
     class Dying:
         def result(self, timeout_s=None):
@@ -47,28 +48,30 @@ def test_a_coordinator_that_dies_mid_call_is_a_typed_sync_error_not_a_ray_error(
         finish = type("Method", (), {"remote": staticmethod(lambda *args: Dying())})
 
     with pytest.raises(SyncError, match="died during finish.*may have committed"):
-        HandleCoordinator(Handle()).finish("token", "round-1", None)
+        BlockingCoordinatorHandle(Handle()).finish("token", "round-1", None)
 
 
-class BlockedSender:
+class BlockedSender(CopySender):
     """A sender whose peers never join: send() blocks, as gloo's rendezvous does until its timeout."""
-
-    group_name = None
 
     def __init__(self):
         import threading
 
+        super().__init__()
         self.release = threading.Event()
 
     def offer(self, tensors):
         return None
 
     def copy_offer(self, ports=None, setting=None):
-        return "copy-1", 1
+        return CopyOffer("copy-1", 1)
 
     def send(self, plan, tensors):
         self.release.wait(60)
         raise RuntimeError("timed out waiting for the other ranks")
+
+    def send_copy(self, plan):
+        raise AssertionError("no round commits here")
 
     def drop_kept(self):
         pass
@@ -92,11 +95,14 @@ class AbortingCoordinator:
         return {"backend": "gloo", "recent_rounds": rounds}
 
     def begin_round(self, token, request):
-        from rollout.sync.protocol import Member, RoundPlan
+        from rollout.sync.protocol import Member, PushRound, Transfer
 
         self.request = request
         r = request
-        return RoundPlan("round-1-x", 1, "gloo", r.master_address, r.master_port, 2, (Member("a", 1, 1),), r.params, 1 << 16, "keep", 30.0)
+        return PushRound(
+            round_id="round-1-x", version=1, backend="gloo", transfer=Transfer(r.master_address, r.master_port, 2), members=(Member("a", 1, 1),),
+            params=r.params, bucket_bytes=1 << 16, pause_mode="keep", timeout_s=30.0,
+        )
 
     def finish(self, token, round_id, error, timeout_s=None):
         from rollout.sync.protocol import RoundOutcome
@@ -176,7 +182,7 @@ def test_a_coordinator_out_of_reach_mid_round_is_a_typed_error_within_the_rounds
     import time
 
     import rollout.sync.publisher as publisher_module
-    from rollout.sync.protocol import CoordinatorUnreachableError, Member, RoundPlan
+    from rollout.sync.protocol import CoordinatorUnreachableError, Member, PushRound, Transfer
     from rollout.sync.remote import HttpCoordinator
 
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
@@ -190,7 +196,10 @@ def test_a_coordinator_out_of_reach_mid_round_is_a_typed_error_within_the_rounds
             return super().status(timeout_s)
 
         def begin_round(self, token, request):
-            return RoundPlan("round-1-x", 1, "gloo", request.master_address, request.master_port, 2, (Member("a", 1, 1),), request.params, 1 << 16, "keep", 0.5)
+            return PushRound(
+                round_id="round-1-x", version=1, backend="gloo", transfer=Transfer(request.master_address, request.master_port, 2), members=(Member("a", 1, 1),),
+                params=request.params, bucket_bytes=1 << 16, pause_mode="keep", timeout_s=0.5,
+            )
 
     class SentSender(BlockedSender):
         def send(self, plan, tensors):

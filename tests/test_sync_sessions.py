@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from rollout.errors import InvalidRequestError
-from rollout.sync.protocol import Control, ParamSpec, RoundPlan, SessionPlan, SyncError
+from rollout.sync.protocol import Control, ParamSpec, SessionPlan, SessionRound, SyncError
 from rollout.sync.sessions import parse_update_info, parse_version
 from tests.test_sync_coordinator import SPECS, coordinator
 
@@ -23,7 +23,7 @@ class Member:
         self.c, self.rid = c, rid
 
     async def poll(self):
-        return await self.c.next_round(self.rid, self.c.replicas[self.rid].version, self.c.replicas[self.rid].control)
+        return await self.c.next_round(self.rid, self.c.membership.replicas[self.rid].version, self.c.membership.replicas[self.rid].control)
 
     async def join(self):
         plan = await self.poll()
@@ -33,7 +33,7 @@ class Member:
 
     async def round(self, version_seen: list):
         plan = await self.poll()
-        assert isinstance(plan, RoundPlan) and plan.session, plan
+        assert isinstance(plan, SessionRound) and plan.session, plan
         await self.c.started(plan.round_id, self.rid, None)
         info = await self.c.update_info(plan.round_id, self.rid)
         assert info == UPDATE
@@ -82,7 +82,7 @@ async def test_steps_out_of_order_are_refused_and_change_nothing():
         await c.update(None, UPDATE)
     with pytest.raises(SyncError, match="no weight update is in progress"):
         await c.finish_update(None, None)
-    assert c.round is None and c.committed_version == 0
+    assert c.rounds.current is None and c.committed_version == 0
 
 
 async def test_a_membership_change_ends_the_session_with_a_clear_error():
@@ -103,7 +103,7 @@ async def test_pause_returns_once_every_replica_applied_it():
     await asyncio.sleep(0.1)
     assert not pause.done(), "the replicas have not applied it yet"
     for m in members:  # their next poll reports it applied
-        c.replicas[m.rid].control = Control(paused="keep")
+        c.membership.replicas[m.rid].control = Control(paused="keep")
     await asyncio.wait_for(pause, 2)
     assert await c.paused(None)
 
@@ -126,7 +126,7 @@ def test_update_info_and_versions_are_checked_naming_the_field():
 
 async def test_a_pause_some_replica_cannot_apply_fails_and_leaves_nothing_paused():
     c, members = await two_members()
-    c.poll_s = 0.1  # a replica that went silent is dropped after 0.3 s
+    c.membership.poll_s = 0.1  # a replica that went silent is dropped after 0.3 s
     pause = asyncio.create_task(c.pause(None, "keep", False))
 
     async def a_applies():
@@ -141,17 +141,17 @@ async def test_a_pause_some_replica_cannot_apply_fails_and_leaves_nothing_paused
     await asyncio.gather(a_applies(), b_keeps_failing(), return_exceptions=True)
     with pytest.raises(SyncError, match=r"\['b'\] did not apply.*nothing changed"):
         await pause
-    assert c.control == Control() and not await c.paused(None)
+    assert c.membership.control == Control() and not await c.paused(None)
     assert await c.next_round("a", 0, Control(paused="keep")) == Control(), "a is told to resume"
 
 
 async def test_a_replica_that_went_away_does_not_fail_a_pause():
     c, members = await two_members()
-    c.poll_s = 0.1
+    c.membership.poll_s = 0.1
     pause = asyncio.create_task(c.pause(None, "keep", False))
     await members[0].poll()
-    c.replicas["a"].control = Control(paused="keep")  # b never polls again: it was scaled down
+    c.membership.replicas["a"].control = Control(paused="keep")  # b never polls again: it was scaled down
     while not pause.done():
         await c.next_round("a", 0, Control(paused="keep"))
     await pause
-    assert list(c.replicas) == ["a"]
+    assert list(c.membership.replicas) == ["a"]

@@ -287,6 +287,20 @@ class SyncConfig(_Section):
         description="Requests in flight during an update: `keep` continues them on the new weights (their spans show the switch), `wait` finishes them first, `abort` ends them.",
     )
     timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Deadline (s) of every sync step: rendezvous, transfer, commit, (0, 3600].")
+    poll_s: float = Field(
+        default=5.0,
+        ge=0.01,
+        le=300,
+        description="Longest a replica's long poll of the coordinator waits for a round, in seconds, [0.01, 300]. With `silent_polls` it bounds how fast a replica "
+        "that went away is dropped from membership (a round then commits without it) and how long a replica that cannot reach the coordinator still vouches for the committed version.",
+    )
+    silent_polls: int = Field(
+        default=3,
+        ge=2,
+        le=100,
+        description="Polls a replica may miss before the coordinator drops it from membership (`silent_polls` x `poll_s` seconds), 2..100; "
+        "a replica that heard nothing from the coordinator for as long stops vouching for the committed version.",
+    )
     max_staleness: Optional[int] = Field(
         default=None,
         ge=0,

@@ -21,17 +21,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from rollout.errors import InvalidRequestError, RolloutError
+# EpisodeLostError lives with the other errors that cross HTTP (rollout.wire_errors maps them).
+from rollout.errors import EpisodeLostError, InvalidRequestError  # noqa: F401  (EpisodeLostError re-exported)
 
 # Stands for the model's last turn when the template renders the new messages: whatever
 # the template writes after it (closing the assistant turn, opening the next) is the delta.
 _TURN_END_SENTINEL = "\u2063rollout-model-turn\u2063"
 _BASE = [{"role": "user", "content": "\u2063"}]
-
-
-class EpisodeLostError(RolloutError):
-    """The episode is not on the replica its id names: it ended, expired, or its replica
-    restarted. Not retryable: start a new episode."""
 
 
 def episode_id_for(replica_id: str) -> str:

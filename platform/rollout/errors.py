@@ -37,6 +37,16 @@ class AuthenticationError(RolloutError):
     """Missing or wrong credentials."""
 
 
+class ForbiddenError(AuthenticationError):
+    """An operation refused to every credential (vLLM's ``/collective_rpc`` would run code
+    on the engines' workers): no key or token makes it served here."""
+
+
+class EpisodeLostError(RolloutError):
+    """The episode is not on the replica its id names: it ended, expired, or its replica
+    restarted. Not retryable: start a new episode."""
+
+
 class EngineUnavailableError(RolloutError):
     """The engine is dead, stuck or shutting down."""
 

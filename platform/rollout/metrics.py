@@ -166,12 +166,12 @@ class _NoRecord:
 def vllm_ray_stat_logger():
     """vLLM's own metrics through Ray's agent (``ray_vllm_*``), as Ray Serve LLM does, less
     the per-token histogram (:data:`VLLM_METRICS_LEFT_OUT`), recorded once a second rather
-    than once per engine step (:mod:`rollout.engine.coalesced_stats`)."""
+    than once per engine step (:mod:`rollout.coalesced_stats`)."""
     import logging
 
     from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-    from rollout.engine.coalesced_stats import coalescing
+    from rollout.coalesced_stats import coalescing
 
     class RolloutRayStatLogger(RayPrometheusStatLogger):
         def __init__(self, *args, **kwargs):

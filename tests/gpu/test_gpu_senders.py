@@ -47,7 +47,7 @@ def test_a_process_on_the_same_gpu_reads_every_published_tensor_through_the_offe
     info = sender.offer(params)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    reader = ctx.Process(target=_read_like_vllm, args=(info["ipc_handles_pickled"], out))
+    reader = ctx.Process(target=_read_like_vllm, args=(info.ipc_handles_pickled, out))
     reader.start()
     try:
         got = torch.load(io.BytesIO(out.get(timeout=180)))

@@ -10,7 +10,7 @@ of it can. Per population:
   for pickling what it sends). Only its weight copy's byte movers are stubbed
   (:class:`_NoBytesKeeper`): receiving, sending, joining a group.
 * every **replica** is the real :class:`~rollout.sync.agent.SyncAgent` (register, the
-  ``next_round`` long poll at the real ``POLL_S``, report, applied, restore/catch-up)
+  ``next_round`` long poll at the platform's ``sync.poll_s``, report, applied, restore/catch-up)
   over a stub engine (:class:`_StubEngine`: vLLM's calls return at once; no bytes) and a
   handle whose ``.method.remote(...)`` is that socket. The rendezvous probe (a TCP connect
   to the publisher) is skipped: no transfer group ever forms.
@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rollout.bench.machine import machine
+from rollout.sync.backends.base import CopyOffer, CopySender
 from rollout.stats_summary import median_interval
 
 POPULATIONS = (10, 100, 1000)
@@ -133,10 +134,10 @@ class _NoBytesKeeper:
 async def _serve(sock_path: str, timeout_s: float, poll_s: float, ready) -> None:
     from rollout.sync.coordinator import WeightSyncCoordinator
 
-    config = {"model": {"path": "/simulated"}, "metrics": {"enabled": False}, "sync": {"timeout_s": timeout_s, "require_token": False}}
+    # poll_s: the long poll's bound; silent for sync.silent_polls of them, a replica is dropped.
+    config = {"model": {"path": "/simulated"}, "metrics": {"enabled": False}, "sync": {"timeout_s": timeout_s, "require_token": False, "poll_s": poll_s}}
     coordinator = WeightSyncCoordinator(config, "gloo")
-    coordinator.keeper = _NoBytesKeeper.make(config["model"]["path"])
-    coordinator.poll_s = poll_s  # the long poll's bound; silent for 3 of them, a replica is dropped
+    coordinator.store.keeper = _NoBytesKeeper.make(config["model"]["path"])
     baseline = _rss_kb()["VmRSS"]
     sent = [0]
     profile: list = [None]
@@ -341,34 +342,35 @@ class _Link:
         return _Remote(self, method)
 
     async def call(self, method: str, *args: Any) -> Any:
-        from rollout.sync.protocol import RoundPlan
+        from rollout.sync.protocol import RESTORE_ROUNDS, PullRound, PushRound, ReloadRound, SessionRound
 
         if self.stalled:
             await asyncio.Event().wait()
         result = await self.coordinator.call(method, *args)
-        if isinstance(result, RoundPlan):
+        if isinstance(result, (PushRound, PullRound, ReloadRound, SessionRound)):
             self.engine.round_id = result.round_id
-            if self.stall_next and not result.restore:
+            if self.stall_next and not isinstance(result, RESTORE_ROUNDS):
                 self.stalled = self.engine.stalled = True
         return result
 
 
-class _NoBytesSender:
+class _NoBytesSender(CopySender):
     """The publisher's transfer end, minus the bytes: a round's send ends once every member
     went through ``update_weights`` (as a broadcast ends once every rank received), and the
     group is kept for the next round as gloo's sender keeps it."""
 
+    group_name: Optional[str] = None  # set per round (the base class's is read-only)
+
     def __init__(self, transfers: _Transfers):
+        super().__init__()
         self.transfers = transfers
-        self.group_name: Optional[str] = None
-        self.phases: dict[str, float] = {}
 
     def offer(self, tensors) -> None:
         return None
 
-    def copy_offer(self, *args: Any, **kwargs: Any) -> tuple[str, int]:
+    def copy_offer(self, *args: Any, **kwargs: Any) -> CopyOffer:
         # A name and a port the publisher's copy group would use (nothing listens on it).
-        return f"copy-{os.urandom(4).hex()}", 1
+        return CopyOffer(f"copy-{os.urandom(4).hex()}", 1)
 
     def send(self, plan, tensors) -> None:
         self.group_name = None
@@ -413,7 +415,7 @@ def _simulated_transport():
     import rollout.sync.agent as agent_module
     import rollout.sync.publisher as publisher_module
 
-    async def reachable(init_info: dict, timeout_s: float) -> None:
+    async def reachable(where: Optional[tuple[str, int]], timeout_s: float) -> None:
         return None
 
     def make_sender(backend: str) -> _NoBytesSender:
@@ -613,7 +615,7 @@ async def simulate(
     profile_path: Optional[str] = None,
     poll_s: Optional[float] = None,
 ) -> dict[str, Any]:
-    """``poll_s``: the coordinator's long-poll bound (default: the platform's ``POLL_S``);
+    """``poll_s``: the coordinator's long-poll bound (default: the platform's ``sync.poll_s``);
     shorter only to make tests quick, since a stalled replica is dropped after 3 of them."""
     poll_s = poll_s or _poll_s()
     with tempfile.TemporaryDirectory(prefix="rollout-coordinator-scale-") as workdir, _simulated_transport() as transfers:
@@ -711,9 +713,9 @@ async def simulate(
 
 
 def _poll_s() -> float:
-    from rollout.sync.protocol import POLL_S
+    from rollout.config import SyncConfig
 
-    return POLL_S
+    return SyncConfig().poll_s
 
 
 def run(**kwargs: Any) -> dict[str, Any]:

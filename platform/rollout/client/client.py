@@ -21,6 +21,7 @@ from rollout.api import EpisodeStart, RolloutChunk, RolloutRequest, RolloutResul
 from rollout.client.episode import Episode
 from rollout.client.rollout_stream import RequestLike, RolloutStream
 from rollout.client.transport import DEFAULT_TIMEOUT_S, Transport
+from rollout.engine.load import ReplicaLoad
 from rollout.errors import from_validation_error
 
 logger = logging.getLogger(__name__)
@@ -139,11 +140,13 @@ class RolloutClient:
         except ValidationError as e:
             raise from_validation_error(e, "episode") from None
         transport = self._transport()
-        started = await transport.call("start_episode", start)
+        started = await transport.start_episode(start)
         return Episode(transport, started.episode_id, started.prompt_token_ids)
 
-    async def stats(self) -> Any:
-        """Load and weight version of one engine replica (handle transport only)."""
+    async def stats(self) -> ReplicaLoad:
+        """Load and weight version of one engine replica: the one the router picks (over
+        HTTP, the ingress's router: ``GET /v1/stats``). ``replica_id`` says which; the whole
+        fleet's is ``rollout status`` and the metrics."""
         return await self._transport().stats()
 
     # ---- blocking API ---------------------------------------------------------------

@@ -40,11 +40,11 @@ class Episode:
             )
         except ValidationError as e:
             raise from_validation_error(e, "turn") from None
-        return await self._transport.call("episode_turn", turn)
+        return await self._transport.episode_turn(turn)
 
     async def trajectory(self) -> Trajectory:
-        return await self._transport.call("episode_trajectory", EpisodeRef(episode_id=self.episode_id), False)
+        return await self._transport.episode_trajectory(EpisodeRef(episode_id=self.episode_id), end=False)
 
     async def end(self) -> Trajectory:
         """The trajectory; the replica forgets the episode."""
-        return await self._transport.call("episode_trajectory", EpisodeRef(episode_id=self.episode_id), True)
+        return await self._transport.episode_trajectory(EpisodeRef(episode_id=self.episode_id), end=True)

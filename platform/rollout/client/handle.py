@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
-from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
+from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
 from rollout.batching import fan_out
 from rollout.client.transport import DEFAULT_TIMEOUT_S
+from rollout.engine.load import ReplicaLoad
 from rollout.errors import EngineUnavailableError, ReplicaLostError, as_overloaded, replica_lost, unwrap_remote
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class _ClientDeadline(EngineUnavailableError):
@@ -72,15 +75,24 @@ class HandleTransport:
     async def generate(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
         return await fan_out(self._call, requests, self._batch_size)
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """One call of another engine method (the episodes'): within the deadline, errors
-        typed, never retried elsewhere (an episode's tokens live on one replica)."""
+    async def _once(self, send: Callable[[], Awaitable[T]], what: str) -> T:
+        """One call of another engine method: within the deadline, errors typed, never
+        retried elsewhere (an episode's tokens live on one replica)."""
         try:
-            return await self._within_deadline(getattr(self._handle, method).remote(*args), method)
+            return await self._within_deadline(send(), what)
         except _ClientDeadline:
             raise
         except Exception as e:
             raise self._typed(e) from None
+
+    async def start_episode(self, start: EpisodeStart) -> EpisodeStarted:
+        return await self._once(lambda: self._handle.start_episode.remote(start), "start_episode")
+
+    async def episode_turn(self, turn: EpisodeTurn) -> TurnResult:
+        return await self._once(lambda: self._handle.episode_turn.remote(turn), "episode_turn")
+
+    async def episode_trajectory(self, ref: EpisodeRef, end: bool) -> Trajectory:
+        return await self._once(lambda: self._handle.episode_trajectory.remote(ref, end), "episode_trajectory")
 
     async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
         sent: dict[int, list[int]] = {}  # sample index -> token ids already yielded
@@ -107,8 +119,9 @@ class HandleTransport:
                 # Leaving early (break, cancel) must abort the request in the engine.
                 gen.cancel()
 
-    async def stats(self):
-        return await self._handle.stats.remote()
+    async def stats(self) -> ReplicaLoad:
+        """The load of the replica Serve's router picks for this call."""
+        return await self._once(lambda: self._handle.stats.remote(), "stats")
 
     async def close(self) -> None:
         pass

@@ -2,51 +2,22 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import httpx
 
-from rollout.api import EpisodeStarted, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
-from rollout.episodes import EpisodeLostError
-from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, OverloadedError, ReplicaLostError, RolloutError, StaleWeightsError
+from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
+from rollout.engine.load import ReplicaLoad
+from rollout.errors import EngineUnavailableError, ReplicaLostError
+from rollout.wire_errors import decode
 
 
 def raise_for_error(resp: httpx.Response, body: Optional[bytes] = None) -> None:
-    """Turn an error response of the ingress into the matching typed exception."""
-    if resp.status_code < 400:
-        return
-    raw = body if body is not None else resp.content
-    try:
-        err = json.loads(raw).get("error", {})
-    except ValueError:
-        err = {"message": raw.decode(errors="replace")}
-    message = err.get("message", f"HTTP {resp.status_code}")
-    if resp.status_code in (401, 403):
-        raise AuthenticationError(message)
-    if resp.status_code == 404 and err.get("type") == "episode_lost":
-        raise EpisodeLostError(message)
-    if resp.status_code in (400, 404, 413, 422):
-        field = err.get("field", "request")
-        # The body's message names the field already (it is the error's str()).
-        raise InvalidRequestError(field, message.removeprefix(f"{field}: "))
-    if resp.status_code == 409 and err.get("type") == "stale_weights":
-        raise StaleWeightsError(message)
-    if resp.status_code == 429:
-        retry_after = resp.headers.get("retry-after")
-        raise OverloadedError(message, float(retry_after) if retry_after else None)
-    if resp.status_code == 503:
-        raise EngineUnavailableError(message)
-    if resp.status_code == 500 and err.get("type") == "internal_error":
-        # The ingress answered, with a fault of its own (rollout.http.last_resort): the same
-        # request would fail the same way, so it is not retryable.
-        raise RolloutError(f"HTTP 500: {message}")
-    if resp.status_code >= 500:
-        # The ingress answers every failure it knows with a 4xx or 503; any other 5xx is the
-        # serving path itself failing (Serve's proxy answers 500 when the ingress replica dies
-        # mid-request): retryable.
-        raise EngineUnavailableError(f"HTTP {resp.status_code} from the serving path: {message}")
-    raise RolloutError(f"HTTP {resp.status_code}: {message}")
+    """Turn an error response of the ingress into the matching typed exception
+    (:func:`rollout.wire_errors.decode`: the table the ingress answers from)."""
+    error = decode(resp.status_code, body if body is not None else resp.content, resp.headers)
+    if error is not None:
+        raise error
 
 
 class HttpTransport:
@@ -68,22 +39,25 @@ class HttpTransport:
         resp = await self._request("POST", "/v1/rollouts", RolloutBatch(requests=list(requests)).model_dump(mode="json", exclude_none=True))
         return RolloutBatchResult.model_validate_json(resp.content).results
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """The episode calls, over their routes."""
-        if method == "start_episode":
-            (start,) = args
-            resp = await self._request("POST", "/v1/episodes", start.model_dump(mode="json", exclude_none=True))
-            return EpisodeStarted.model_validate_json(resp.content)
-        if method == "episode_turn":
-            (turn,) = args
-            body = turn.model_dump(mode="json", exclude_none=True, exclude={"episode_id"})
-            resp = await self._request("POST", f"/v1/episodes/{turn.episode_id}/turns", body)
-            return TurnResult.model_validate_json(resp.content)
-        if method == "episode_trajectory":
-            ref, end = args
-            resp = await self._request("DELETE" if end else "GET", f"/v1/episodes/{ref.episode_id}")
-            return Trajectory.model_validate_json(resp.content)
-        raise ValueError(f"no HTTP route for engine method {method!r}")
+    # ---- episodes, over their routes ---------------------------------------------------
+
+    async def start_episode(self, start: EpisodeStart) -> EpisodeStarted:
+        resp = await self._request("POST", "/v1/episodes", start.model_dump(mode="json", exclude_none=True))
+        return EpisodeStarted.model_validate_json(resp.content)
+
+    async def episode_turn(self, turn: EpisodeTurn) -> TurnResult:
+        body = turn.model_dump(mode="json", exclude_none=True, exclude={"episode_id"})
+        resp = await self._request("POST", f"/v1/episodes/{turn.episode_id}/turns", body)
+        return TurnResult.model_validate_json(resp.content)
+
+    async def episode_trajectory(self, ref: EpisodeRef, end: bool) -> Trajectory:
+        resp = await self._request("DELETE" if end else "GET", f"/v1/episodes/{ref.episode_id}")
+        return Trajectory.model_validate_json(resp.content)
+
+    async def stats(self) -> ReplicaLoad:
+        """``GET /v1/stats``: the load of the replica the ingress's router picks."""
+        resp = await self._request("GET", "/v1/stats")
+        return ReplicaLoad.model_validate_json(resp.content)
 
     async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
         body = request.model_dump(mode="json", exclude_none=True)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
-from rollout.api import RolloutChunk, RolloutRequest, RolloutResult
+from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
+from rollout.engine.load import ReplicaLoad
 
 # How long a client waits for a call's answer (a stream: for its next chunk) before it
 # gives up with a retryable error; the same default over HTTP and over a Serve handle.
@@ -16,8 +17,17 @@ class Transport(Protocol):
 
     def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]: ...
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """An engine method other than generation: the episodes' (start_episode,
-        episode_turn, episode_trajectory)."""
+    # The episodes (rollout.episodes): each call goes to the replica holding the episode.
+    async def start_episode(self, start: EpisodeStart) -> EpisodeStarted: ...
+
+    async def episode_turn(self, turn: EpisodeTurn) -> TurnResult: ...
+
+    async def episode_trajectory(self, ref: EpisodeRef, end: bool) -> Trajectory:
+        """The episode's trajectory; with ``end`` the replica forgets the episode."""
+        ...
+
+    async def stats(self) -> ReplicaLoad:
+        """One engine replica's load and weight version (the one the router picks)."""
+        ...
 
     async def close(self) -> None: ...

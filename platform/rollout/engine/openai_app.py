@@ -13,8 +13,9 @@ reference ``vllm serve`` started with the same line behaves the same.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from rollout.config import ModelConfig, OpenAIConfig
 
@@ -137,6 +138,37 @@ async def call_asgi(app, request: ForwardedRequest) -> AsyncIterator[Any]:
         disconnected.set()
         if not task.done():
             task.cancel()
+
+
+async def forward(app, request: ForwardedRequest, version_label: Callable[[], str], replica_id: str) -> AsyncIterator[Any]:
+    """``request`` through ``app`` as a replica answers it: ``{"status", "headers"}``, then
+    the body's chunks.
+
+    ``X-Rollout-Weight-Version`` names the version ``version_label()`` gives when the
+    response starts; a non-streaming response that spans a weight update says
+    ``<first>-<last>`` (it is held whole, so its headers can still say so).
+    ``X-Rollout-Replica`` names the replica.
+    """
+    first = version_label()
+    # Closed as soon as this is: the app learns at once that the client left.
+    async with contextlib.aclosing(call_asgi(app, request)) as parts:
+        start = await parts.__anext__()
+        streaming = any(k.lower() == "content-type" and "event-stream" in v for k, v in start["headers"])
+        if streaming:
+            yield _with_version(start, first, replica_id)
+            async for chunk in parts:
+                yield chunk
+            return
+        body = [chunk async for chunk in parts]
+    last = version_label()
+    yield _with_version(start, first if first == last else f"{first}-{last}", replica_id)
+    yield b"".join(body)
+
+
+def _with_version(start: dict, version: str, replica_id: str) -> dict:
+    # Left to the ingress, which streams the body on and frames it itself.
+    headers = [(k, v) for k, v in start["headers"] if k.lower() != "content-length"]
+    return {"status": start["status"], "headers": headers + [("x-rollout-weight-version", version), ("x-rollout-replica", replica_id)]}
 
 
 def routing_hint(path: str, body: bytes, session_id: Optional[str]) -> dict:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable, Optional
 
+from rollout import wire_errors as wire
+
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -22,10 +24,8 @@ def _limit(scope: Scope) -> Optional[int]:
 
 
 async def _refuse(send: Send, limit: int) -> None:
-    body = json.dumps(
-        {"error": {"message": f"body: request body larger than http.max_body_bytes = {limit} bytes", "type": "invalid_request_error", "field": "body"}}
-    ).encode()
-    await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    body = json.dumps(wire.body(wire.TOO_LARGE, f"body: request body larger than http.max_body_bytes = {limit} bytes", "body")).encode()
+    await send({"type": "http.response.start", "status": wire.TOO_LARGE.status, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
-import math
-from typing import Any, AsyncIterator, Optional
+from typing import Annotated, Any, AsyncIterator, Optional
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,33 +11,25 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from ray import serve
 
+from rollout import wire_errors as wire
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, EpisodeTurnBody, Trajectory, TurnResult, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
 from rollout.client.handle import HandleTransport
 from rollout.config import PlatformConfig
-from rollout.errors import (
-    AuthenticationError,
-    EngineUnavailableError,
-    InvalidRequestError,
-    OverloadedError,
-    StaleWeightsError,
-    as_overloaded,
-    loc_to_field,
-    unwrap_remote,
-)
+from rollout.engine.load import ReplicaLoad
+from rollout.errors import EngineUnavailableError, InvalidRequestError, RolloutError, as_overloaded, loc_to_field, unwrap_remote
 from rollout.logs import show_platform_logs
 from rollout.engine.openai_app import ForwardedRequest, routing_hint
-from rollout.episodes import EpisodeLostError
-from rollout.sync.auth import SyncAuth
+from rollout.sync.auth import SYNC_TOKEN_HEADER, AccessPolicy, Operation, SyncAuth
+from rollout.sync.coordinator_client import CoordinatorHandle
 from rollout.sync.protocol import SyncError
-from rollout.sync.remote import OUTCOME, PLAN, SYNC_TOKEN_HEADER, BeginRoundBody, FinishBody
+from rollout.sync.remote import OUTCOME, PLAN, BeginRoundBody, FinishBody
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-ID"  # what agent frameworks send to keep a conversation on one replica
 
-from rollout.http.routes_app import EPISODE_ERRORS, REQUEST_ERRORS, SYNC_ERRORS, app  # noqa: E402  (the routes below and in rl_routes share it)
+from rollout.http.routes_app import EPISODE_ERRORS, HEALTH_ERRORS, REQUEST_ERRORS, STATS_ERRORS, SYNC_ERRORS, admit, app  # noqa: E402  (the routes below and in rl_routes share it)
 from rollout.http.rl_routes import VllmRlRoutes  # noqa: E402
-
 
 
 class NdjsonResponse(StreamingResponse):
@@ -48,11 +38,9 @@ class NdjsonResponse(StreamingResponse):
     media_type = "application/x-ndjson"
 
 
-def _error(status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request_error") -> JSONResponse:
-    body: dict[str, Any] = {"message": message, "type": kind}
-    if field is not None:
-        body["field"] = field
-    return JSONResponse(status_code=status, content={"error": body})
+def _error(status: int, message: str, field: Optional[str] = None) -> JSONResponse:
+    """FastAPI's own refusals, in the body of an invalid request."""
+    return JSONResponse(status_code=status, content=wire.body(wire.INVALID, message, field))
 
 
 @app.exception_handler(RequestValidationError)
@@ -61,10 +49,10 @@ async def _on_schema_error(request: Request, exc: RequestValidationError) -> JSO
     raised = (first.get("ctx") or {}).get("error")
     if isinstance(raised, InvalidRequestError):
         # A model's own rule (a validator) that names the field it is about.
-        return _error(400, str(raised), raised.field)
+        return _error(wire.INVALID.status, str(raised), raised.field)
     loc = [p for p in first.get("loc", ()) if p != "body"]
     field = loc_to_field(loc) or "body"
-    return _error(400, f"{field}: {first.get('msg')}", field)
+    return _error(wire.INVALID.status, f"{field}: {first.get('msg')}", field)
 
 
 @app.exception_handler(HTTPException)
@@ -78,69 +66,27 @@ async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return response
 
 
-@app.exception_handler(InvalidRequestError)
-async def _on_invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-    return _error(400, str(exc), exc.field)
+async def _on_platform_error(request: Request, exc: RolloutError) -> JSONResponse:
+    # Starlette picks the handler of the most specific class; the table picks the answer.
+    answer = wire.encode(exc)
+    return JSONResponse(status_code=answer.status, content=answer.body, headers=answer.headers or None)
 
 
-@app.exception_handler(EpisodeLostError)
-async def _on_episode_lost(request: Request, exc: EpisodeLostError) -> JSONResponse:
-    return _error(404, str(exc), kind="episode_lost")
-
-
-@app.exception_handler(AuthenticationError)
-async def _on_auth(request: Request, exc: AuthenticationError) -> JSONResponse:
-    return _error(401, str(exc), kind="authentication_error")
-
-
-@app.exception_handler(SyncError)
-async def _on_sync_error(request: Request, exc: SyncError) -> JSONResponse:
-    return _error(409, str(exc), kind="sync_error")
-
-
-@app.exception_handler(StaleWeightsError)
-async def _on_stale(request: Request, exc: StaleWeightsError) -> JSONResponse:
-    # The service is healthy; the policy version the request asked for is not served (yet):
-    # a conflict with the current state, to retry once that version is committed.
-    return _error(409, str(exc), kind="stale_weights")
-
-
-@app.exception_handler(OverloadedError)
-async def _on_overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
-    response = _error(429, str(exc), kind="overloaded")
-    if exc.retry_after_s is not None:
-        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-    return response
-
-
-@app.exception_handler(EngineUnavailableError)
-async def _on_unavailable(request: Request, exc: EngineUnavailableError) -> JSONResponse:
-    return _error(503, str(exc), kind="engine_unavailable")
-
-
-class _ApiKey:
-    """Bearer-token check; a constant-time comparison so the key cannot be timed out of us."""
-
-    def __init__(self, key: Optional[str]):
-        self.key = key
-
-    def __call__(self, request: Request) -> None:
-        if self.key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
-        if not hmac.compare_digest(token.strip().encode(), self.key.encode()):
-            raise AuthenticationError("wrong API key")
+for _error_type in wire.raised_types():
+    app.add_exception_handler(_error_type, _on_platform_error)
 
 
 def require_key(request: Request) -> None:
-    # The ingress replica installs its checker on app.state at start-up.
-    check = getattr(request.app.state, "api_key", None)
-    if check is None:
-        raise AuthenticationError("the ingress is not initialised")
-    check(request)
+    """The API key (rollout.sync.auth.Operation.SERVE)."""
+    admit(Operation.SERVE, request)
+
+
+def publish_credential(request: Request) -> Optional[str]:
+    """The API key, then the sync credential to hand the coordinator (Operation.PUBLISH)."""
+    return admit(Operation.PUBLISH, request)
+
+
+SyncCredential = Annotated[Optional[str], Depends(publish_credential)]
 
 
 async def _first_then_rest(agen: AsyncIterator[RolloutChunk]) -> tuple[RolloutChunk, AsyncIterator[RolloutChunk]]:
@@ -163,22 +109,31 @@ class HttpIngress(VllmRlRoutes):
         self.config = PlatformConfig.model_validate(config)
         self.engine_handle = engine_handle
         self.engine = HandleTransport(engine_handle, self.config.deployment.client_batch_size)
-        self.coordinator = coordinator_handle
+        self.coordinator = CoordinatorHandle(coordinator_handle) if coordinator_handle is not None else None
         self.model_name = self.config.model.name
         key = self.config.http.resolve_api_key()
         if key is None:
             logger.warning("no API key configured (ROLLOUT_API_KEY or http.api_key_file): the HTTP API is open to anyone who can reach it")
-        app.state.api_key = _ApiKey(key)
-        self.sync_auth = SyncAuth.of(self.config.sync)  # whether the sync routes need the sync token (as the coordinator decides)
+        # Which credential each route takes: the sync part is the coordinator's own decision.
+        app.state.auth = AccessPolicy(key, SyncAuth.of(self.config.sync))
         app.state.max_body_bytes = self.config.http.max_body_bytes
 
-    @app.get("/healthz", responses={503: REQUEST_ERRORS[503]})
+    @app.get("/healthz", responses=HEALTH_ERRORS)
     async def healthz(self) -> dict:
         try:
             await self.engine.stats()
         except Exception as e:
             raise EngineUnavailableError(f"no healthy engine replica: {e}") from None
         return {"status": "ok"}
+
+    @app.get("/v1/stats", dependencies=[Depends(require_key)], responses=STATS_ERRORS)
+    async def engine_stats(self) -> ReplicaLoad:
+        """One engine replica's load and weight version: the replica the ingress's router
+        picks, as ``RolloutClient.stats()`` answers over a Serve handle (``replica_id``
+        names it). Not a sum over replicas: loads of different replicas (a fraction of KV
+        cache in use, a weight version) do not add up; the fleet is ``rollout status``
+        and the metrics."""
+        return await self.engine.stats()
 
     @app.post("/v1/rollouts", dependencies=[Depends(require_key)], responses=REQUEST_ERRORS)
     async def rollouts(self, batch: RolloutBatch) -> RolloutBatchResult:
@@ -207,19 +162,19 @@ class HttpIngress(VllmRlRoutes):
 
     @app.post("/v1/episodes", dependencies=[Depends(require_key)], responses=REQUEST_ERRORS)
     async def episode_start(self, start: EpisodeStart) -> EpisodeStarted:
-        return await self.engine.call("start_episode", start)
+        return await self.engine.start_episode(start)
 
     @app.post("/v1/episodes/{episode_id}/turns", dependencies=[Depends(require_key)], responses=EPISODE_ERRORS)
     async def episode_turn(self, episode_id: str, body: EpisodeTurnBody) -> TurnResult:
-        return await self.engine.call("episode_turn", EpisodeTurn(episode_id=episode_id, messages=body.messages, sampling=body.sampling, tool_choice=body.tool_choice))
+        return await self.engine.episode_turn(EpisodeTurn(episode_id=episode_id, messages=body.messages, sampling=body.sampling, tool_choice=body.tool_choice))
 
     @app.get("/v1/episodes/{episode_id}", dependencies=[Depends(require_key)], responses=EPISODE_ERRORS)
     async def episode_get(self, episode_id: str) -> Trajectory:
-        return await self.engine.call("episode_trajectory", EpisodeRef(episode_id=episode_id), False)
+        return await self.engine.episode_trajectory(EpisodeRef(episode_id=episode_id), end=False)
 
     @app.delete("/v1/episodes/{episode_id}", dependencies=[Depends(require_key)], responses=EPISODE_ERRORS)
     async def episode_end(self, episode_id: str) -> Trajectory:
-        return await self.engine.call("episode_trajectory", EpisodeRef(episode_id=episode_id), True)
+        return await self.engine.episode_trajectory(EpisodeRef(episode_id=episode_id), end=True)
 
     # ---- the OpenAI routes: vLLM's own server on the replica the router picks ----------
 
@@ -269,28 +224,22 @@ class HttpIngress(VllmRlRoutes):
 
     # ---- weight sync control plane (tensors travel over the round's transfer group) ----
 
-    def _coordinator(self):
+    def _coordinator(self) -> CoordinatorHandle:
         if self.coordinator is None:
             raise SyncError("weight sync is disabled on this platform (sync.enabled: false)")
         return self.coordinator
 
-    async def _call_coordinator(self, method: str, *args):
-        try:
-            return await getattr(self._coordinator(), method).remote(*args)
-        except Exception as e:
-            raise unwrap_remote(e) from None
-
-    @app.post("/v1/sync/rounds", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)
-    async def sync_begin(self, body: BeginRoundBody, request: Request) -> dict:
-        plan = await self._call_coordinator("begin_round", request.headers.get(SYNC_TOKEN_HEADER), body.request())
+    @app.post("/v1/sync/rounds", responses=SYNC_ERRORS)
+    async def sync_begin(self, body: BeginRoundBody, token: SyncCredential) -> dict:
+        plan = await self._coordinator().begin_round(token, body.request())
         return PLAN.dump_python(plan, mode="json")
 
-    @app.post("/v1/sync/rounds/{round_id}/finish", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)
-    async def sync_finish(self, round_id: str, body: FinishBody, request: Request) -> dict:
+    @app.post("/v1/sync/rounds/{round_id}/finish", responses=SYNC_ERRORS)
+    async def sync_finish(self, round_id: str, body: FinishBody, token: SyncCredential) -> dict:
         # The sync token, as for opening the round: the round id is public in /v1/sync/status.
-        outcome = await self._call_coordinator("finish", request.headers.get(SYNC_TOKEN_HEADER), round_id, body.error)
+        outcome = await self._coordinator().finish(token, round_id, body.error)
         return OUTCOME.dump_python(outcome, mode="json")
 
     @app.get("/v1/sync/status", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)
     async def sync_status(self) -> dict:
-        return await self._call_coordinator("status")
+        return await self._coordinator().status()

@@ -15,6 +15,8 @@ import json
 import logging
 from typing import Any, Awaitable, Callable
 
+from rollout import wire_errors as wire
+
 logger = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
@@ -22,14 +24,13 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-INTERNAL_ERROR = "internal_error"
 
 
 def internal_error_body(exc: BaseException) -> bytes:
     # The exception's text can hold internals (paths, other requests' data): the log has it,
     # the caller gets its type only.
     message = f"internal error ({type(exc).__name__}); the ingress's log has the traceback"
-    return json.dumps({"error": {"message": message, "type": INTERNAL_ERROR}}).encode()
+    return json.dumps(wire.body(wire.INTERNAL, message)).encode()
 
 
 class LastResort:
@@ -58,5 +59,5 @@ class LastResort:
                 raise
             logger.exception("%s %s failed with an unhandled %s; answering 500", scope.get("method"), scope.get("path"), type(exc).__name__)
             body = internal_error_body(exc)
-            await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.start", "status": wire.INTERNAL.status, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})

@@ -13,32 +13,24 @@ are refused.
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated, Any, Optional
 
 from fastapi import Body, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.api import ErrorResponse, NonNegativeInt
-from rollout.errors import AuthenticationError, InvalidRequestError, unwrap_remote
-from rollout.http.routes_app import SYNC_ERRORS, app
+from rollout.api import NonNegativeInt
+from rollout.errors import ForbiddenError, InvalidRequestError
+from rollout.http.routes_app import REFUSED_ERRORS, SYNC_ERRORS, admit, app
+from rollout.sync.auth import Operation
+from rollout.sync.coordinator_client import CoordinatorHandle
 from rollout.sync.protocol import PauseMode, SyncError
-from rollout.sync.remote import SYNC_TOKEN_HEADER
 from rollout.sync.sessions import parse_update_info
 
 REFUSED = (
     "runs arbitrary methods on every engine worker, which would let any caller with the token run code "
     "there and bypass the coordinator's rounds and rollback; it is not served here"
 )
-
-
-def _credential(request: Request) -> Optional[str]:
-    token = request.headers.get(SYNC_TOKEN_HEADER)
-    if token:
-        return token
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
 # vLLM's flags that reset more than the local prefix cache: accepted by name (vLLM's
@@ -69,84 +61,86 @@ class UpdateInfo(BaseModel):
         return self
 
 
-REFUSED_ANSWER: dict[int | str, dict[str, Any]] = {403: {"model": ErrorResponse, "description": "Not served here: it would run code on the engines' workers."}}
-
-
 class VllmRlRoutes:
-    """Mixed into the ingress (``self.coordinator``, ``self.sync_auth``, ``app.state.api_key``)."""
+    """Mixed into the ingress (``self.coordinator``, ``app.state.auth``)."""
 
-    async def _rl(self, request: Request, method: str, *args: Any) -> Any:
-        """Call the coordinator on behalf of a trainer, its credential checked there."""
+    coordinator: Optional[CoordinatorHandle]
+
+    def _driver(self, request: Request) -> tuple[CoordinatorHandle, Optional[str]]:
+        """The coordinator and the credential to call it with on behalf of a trainer
+        (rollout.sync.auth decides which: Operation.DRIVE); the coordinator checks it."""
         if self.coordinator is None:
             raise SyncError("weight sync is disabled on this platform (sync.enabled: false)")
-        token = _credential(request)
-        if not self.sync_auth.required:
-            # No sync token: the API key (if any) guards these routes like every other.
-            key = request.app.state.api_key.key
-            if key is not None and not (token and hmac.compare_digest(token.encode(), key.encode())):
-                raise AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>'")
-            token = None
-        try:
-            return await getattr(self.coordinator, method).remote(token, *args)
-        except Exception as e:
-            raise unwrap_remote(e) from None
+        return self.coordinator, admit(Operation.DRIVE, request)
 
     @app.post("/pause", responses=SYNC_ERRORS)
     async def rl_pause(self, request: Request, mode: Annotated[PauseMode, Query()] = "abort", clear_cache: Annotated[bool, Query()] = True) -> dict:
-        await self._rl(request, "pause", mode, clear_cache and mode != "keep")
+        coordinator, token = self._driver(request)
+        await coordinator.pause(token, mode, clear_cache and mode != "keep")
         return {"status": "paused"}
 
     @app.post("/resume", responses=SYNC_ERRORS)
     async def rl_resume(self, request: Request) -> dict:
-        await self._rl(request, "resume")
+        coordinator, token = self._driver(request)
+        await coordinator.resume(token)
         return {"status": "resumed"}
 
     @app.get("/is_paused", responses=SYNC_ERRORS)
     async def rl_is_paused(self, request: Request) -> dict:
-        return {"is_paused": await self._rl(request, "paused")}
+        coordinator, token = self._driver(request)
+        return {"is_paused": await coordinator.paused(token)}
 
     @app.post("/reset_prefix_cache", responses=SYNC_ERRORS)
     async def rl_reset_prefix_cache(self, request: Request, reset_running_requests: OnlyFalse = False, reset_external: OnlyFalse = False) -> dict:
         if reset_running_requests or reset_external:
             raise InvalidRequestError("reset_running_requests" if reset_running_requests else "reset_external", "not supported here; only the local prefix cache is reset")
-        return {"success": await self._rl(request, "reset_prefix_cache")}
+        coordinator, token = self._driver(request)
+        return {"success": await coordinator.reset_prefix_cache(token)}
 
     @app.get("/get_world_size", responses=SYNC_ERRORS)
     async def rl_get_world_size(self, request: Request, include_dp: bool = Query(True)) -> dict:
-        return {"world_size": await self._rl(request, "world_size")}
+        coordinator, token = self._driver(request)
+        return {"world_size": await coordinator.world_size(token)}
 
     @app.post("/init_weight_transfer_engine", responses=SYNC_ERRORS)
     async def rl_init(self, request: Request, init_info: Annotated[dict[str, Any], Body(embed=True)]) -> dict:
-        await self._rl(request, "open_session", init_info)
+        coordinator, token = self._driver(request)
+        await coordinator.open_session(token, init_info)
         return {"message": "Weight transfer initialized"}
 
     @app.post("/shutdown_weight_transfer_engine", responses=SYNC_ERRORS)
     async def rl_shutdown(self, request: Request) -> dict:
-        await self._rl(request, "shutdown_session")
+        coordinator, token = self._driver(request)
+        await coordinator.shutdown_session(token)
         return {"message": "Weight transfer shut down"}
 
     @app.post("/start_weight_update", responses=SYNC_ERRORS)
     async def rl_start(self, request: Request) -> dict:
-        await self._rl(request, "start_update")
+        coordinator, token = self._driver(request)
+        await coordinator.start_update(token)
         return {"message": "Weight update started"}
 
     @app.post("/update_weights", responses=SYNC_ERRORS)
     async def rl_update(self, request: Request, update_info: Annotated[UpdateInfo, Body(embed=True)]) -> dict:
-        await self._rl(request, "update", update_info.model_dump(mode="json"))
+        coordinator, token = self._driver(request)
+        await coordinator.update(token, update_info.model_dump(mode="json"))
         return {"message": "Weights updated"}
 
     @app.post("/finish_weight_update", responses=SYNC_ERRORS)
     async def rl_finish(self, request: Request, weight_version: Annotated[Optional[str], Body(embed=True)] = None) -> dict:
-        await self._rl(request, "finish_update", weight_version)
+        coordinator, token = self._driver(request)
+        await coordinator.finish_update(token, weight_version)
         return {"message": "Weight update finished"}
 
     @app.get("/weight_info", responses=SYNC_ERRORS)
     async def rl_weight_info(self, request: Request) -> dict:
-        return {"weight_version": str(await self._rl(request, "weight_version"))}
+        coordinator, token = self._driver(request)
+        return {"weight_version": str(await coordinator.weight_version(token))}
 
     @app.post("/update_weight_version", responses=SYNC_ERRORS)
     async def rl_update_weight_version(self, request: Request, new_version: Annotated[str, Body(embed=True)]) -> dict:
-        committed = await self._rl(request, "weight_version")
+        coordinator, token = self._driver(request)
+        committed = await coordinator.weight_version(token)
         if new_version.strip() != str(committed):
             raise SyncError(
                 f"new_version: versions here name the weights that produced each token, so they change only with "
@@ -154,10 +148,10 @@ class VllmRlRoutes:
             )
         return {"success": True, "new_version": new_version}
 
-    @app.post("/collective_rpc", responses=REFUSED_ANSWER)
+    @app.post("/collective_rpc", responses=REFUSED_ERRORS)
     async def rl_collective_rpc(self) -> JSONResponse:
-        return JSONResponse(status_code=403, content={"error": {"message": f"/collective_rpc {REFUSED}", "type": "forbidden"}})
+        raise ForbiddenError(f"/collective_rpc {REFUSED}")
 
-    @app.post("/weight_checker", responses=REFUSED_ANSWER)
+    @app.post("/weight_checker", responses=REFUSED_ERRORS)
     async def rl_weight_checker(self) -> JSONResponse:
-        return JSONResponse(status_code=403, content={"error": {"message": f"/weight_checker resets weights through collective_rpc, which {REFUSED}", "type": "forbidden"}})
+        raise ForbiddenError(f"/weight_checker resets weights through collective_rpc, which {REFUSED}")

@@ -1,15 +1,16 @@
 """The ingress's FastAPI app, shared by the modules that add routes to it."""
 
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.dependencies.utils import get_flat_dependant
 from fastapi.openapi.utils import get_openapi
 
-from rollout.api import ErrorResponse
-from rollout.errors import InvalidRequestError
+from rollout import wire_errors as wire
+from rollout.errors import AuthenticationError, InvalidRequestError
 from rollout.http.body_limit import BodyLimit
 from rollout.http.last_resort import LastResort
+from rollout.sync.auth import AccessPolicy, Operation, Presented
 
 
 def refuse_undocumented_query(request: Request) -> None:
@@ -25,21 +26,28 @@ def refuse_undocumented_query(request: Request) -> None:
             raise InvalidRequestError(name, f"unknown query parameter; {request.url.path} takes {', '.join(sorted(known)) or 'none'}")
 
 
+def admit(operation: Operation, request: Request) -> Optional[str]:
+    """The one credential check of every route (rollout.sync.auth decides): raises
+    ``AuthenticationError``, or returns the credential to hand the coordinator."""
+    # The ingress replica installs its policy on app.state at start-up.
+    policy: Optional[AccessPolicy] = getattr(request.app.state, "auth", None)
+    if policy is None:
+        raise AuthenticationError("the ingress is not initialised")
+    return policy.admit(operation, Presented.of(request.headers))
+
+
 app = FastAPI(title="Rollout Platform", version="1", dependencies=[Depends(refuse_undocumented_query)])
 app.add_middleware(BodyLimit)
 app.add_middleware(LastResort)  # added last: outermost, so it also catches a fault of BodyLimit
 
-# The error answers the schema documents (every one has an ErrorResponse body).
-REQUEST_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request: `error.field` names the field."},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
-    409: {"model": ErrorResponse, "description": "The policy version the request needs (`min_weight_version`, `sync.max_staleness`) did not arrive in time (`StaleWeightsError`; retryable)."},
-    413: {"model": ErrorResponse, "description": "Body larger than `http.max_body_bytes`."},
-    429: {"model": ErrorResponse, "description": "Overloaded: the queue (`deployment.max_queued_requests`) is full; retry after `Retry-After` seconds."},
-    503: {"model": ErrorResponse, "description": "No engine can serve it now (retryable)."},
-}
-EPISODE_ERRORS = {**REQUEST_ERRORS, 404: {"model": ErrorResponse, "description": "The episode is not on the replica its id names: it ended, expired or its replica restarted (`episode_lost`)."}}
-SYNC_ERRORS = {**{k: v for k, v in REQUEST_ERRORS.items() if k != 409}, 409: {"model": ErrorResponse, "description": "The sync round was refused or failed; replicas keep the committed version."}}
+# The error answers the schema documents (every one has an ErrorResponse body), from the
+# one table the exception handlers answer from.
+REQUEST_ERRORS = wire.responses(wire.INVALID, wire.UNAUTHENTICATED, wire.STALE_WEIGHTS, wire.TOO_LARGE, wire.OVERLOADED, wire.UNAVAILABLE)
+EPISODE_ERRORS = {**REQUEST_ERRORS, **wire.responses(wire.EPISODE_LOST)}
+SYNC_ERRORS = wire.responses(wire.INVALID, wire.UNAUTHENTICATED, wire.SYNC_FAILED, wire.TOO_LARGE, wire.OVERLOADED, wire.UNAVAILABLE)
+STATS_ERRORS = wire.responses(wire.INVALID, wire.UNAUTHENTICATED, wire.OVERLOADED, wire.UNAVAILABLE)
+HEALTH_ERRORS = wire.responses(wire.UNAVAILABLE)
+REFUSED_ERRORS = wire.responses(wire.FORBIDDEN)
 
 
 # An episode's id, from the answer that started or turned it, is what its later calls name:
@@ -82,7 +90,7 @@ def _openapi() -> dict[str, Any]:
                         response["content"] = {"application/json": next(iter(content.values()))}
                 if responses.pop("422", None) is not None and "400" not in responses:
                     responses["400"] = {
-                        "description": "Invalid request: `error.field` names the field.",
+                        "description": wire.INVALID.description,
                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
                     }
         _link_episode_lifecycle(schema)

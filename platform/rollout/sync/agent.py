@@ -5,10 +5,23 @@ Per round: ``pause_generation(mode)`` → ``init_weight_transfer_engine`` →
 ``start_weight_update`` → ``update_weights`` (receives every bucket) →
 ``finish_weight_update`` while the coordinator decides → on commit
 ``update_weight_version(version)`` → ``resume_generation``.
-A restore round from a committed checkpoint replaces the transfer steps with vLLM's
+A reload round from a committed checkpoint replaces the transfer steps with vLLM's
 ``reload_weights(weights_path)`` and the finish with ``update_weight_version``.
 Generation stays paused from before the first tensor arrives until the round is
 decided, so no token is ever computed on a mix of two versions.
+
+A round runs in three steps (:meth:`SyncAgent._apply`), one job each:
+
+- **transfer** moves the bytes, by the kind of round: a push or pull round joins its
+  group and receives, a route session's round (whose group the members joined at the
+  session's start) waits for the trainer's update info and receives, a reload round
+  reloads a checkpoint. It says what it left: an error, whether tensors reached the live
+  model, whether the engine is blocked for good.
+- **decide** reports to the coordinator and takes its outcome; on a commit it labels the
+  weights with the version.
+- **recover** handles what an abort or a failed finish leaves: it closes vLLM's update,
+  or marks the replica broken when the engine is blocked; the caller then restores the
+  committed weights.
 """
 
 from __future__ import annotations
@@ -16,20 +29,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from rollout.errors import StaleWeightsError, unwrap_remote
 from rollout.sync import net
 from rollout.sync.backends import get_backend
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
-from rollout.sync.protocol import POLL_S, SILENT_POLLS, Control, NoCommittedCopyError, NotRegisteredError, Reregister, RoundOutcome, RoundPlan, SessionPlan
+from rollout.sync.coordinator_client import CoordinatorHandle
+from rollout.sync.protocol import (
+    RESTORE_ROUNDS,
+    Control,
+    NoCommittedCopyError,
+    NotRegisteredError,
+    PullRound,
+    PushRound,
+    ReloadRound,
+    Reregister,
+    Round,
+    RoundOutcome,
+    SessionPlan,
+    SessionRound,
+)
 from rollout.sync.version import version_of
+
+if TYPE_CHECKING:
+    from rollout.config import SyncConfig
 
 logger = logging.getLogger(__name__)
 
 # Seconds past a round's deadline after which an engine call that has not returned
-# counts as blocked for good (see SyncAgent._apply).
+# counts as blocked for good (see SyncAgent._transfer).
 WEDGED_GRACE_S = 15.0
 
 _PAUSE_FALLBACK_LOGGED = False
@@ -56,18 +87,62 @@ async def pause_for_update(engine: Any, mode: str) -> None:
     await core.pause_scheduler_async(mode=mode, clear_cache=True)
 
 
-async def check_reachable(init_info: dict, timeout_s: float) -> None:
-    """Raise :class:`~rollout.sync.net.RendezvousUnreachable` unless the rendezvous in
-    ``init_info`` (where the backend has one) takes a connection within a few seconds."""
-    address, port = init_info.get("master_address"), init_info.get("master_port")
-    if address and port:  # ipc has none: replicas read the trainer's handles
+async def check_reachable(where: Optional[tuple[str, int]], timeout_s: float) -> None:
+    """Raise :class:`~rollout.sync.net.RendezvousUnreachable` unless the rendezvous at
+    ``where`` (``(address, port)``; None where the backend has none, as ``ipc``) takes a
+    connection within a few seconds."""
+    if where is not None:
+        address, port = where
         await net.check_reachable(address, int(port), timeout_s)
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """A round's time bounds, as the replica applies them."""
+
+    round_s: float  # the round's step deadline
+    step_s: float  # how long one engine call of the transfer may run
+    # A transport with a deadline of its own (gloo) ends its steps by itself: its engine
+    # calls get the round's deadline. Without one (NCCL), an engine call still running
+    # well past the deadline is blocked for good.
+    has_deadline: bool
+
+    @classmethod
+    def of(cls, plan: Round) -> "_Limits":
+        has_deadline = get_backend(plan.backend).transport_has_deadline
+        return cls(plan.timeout_s, plan.timeout_s if has_deadline else plan.timeout_s + WEDGED_GRACE_S, has_deadline)
+
+
+@dataclass
+class _Transferred:
+    """What the transfer step left, for decide and recover."""
+
+    # Tensors may have reached the live model: vLLM loads them as they arrive (and a
+    # reload loads into the live model too), so a round that does not commit leaves a mix.
+    loaded: bool = False
+    error: Optional[str] = None
+    unreachable: Optional[str] = None  # the rendezvous this replica could not reach
+    wedged: bool = False  # an engine call is blocked for good: nothing more can run on this engine
+    finishing: Optional[asyncio.Future] = None  # vLLM's finish, run while the coordinator decides
+
+
+@dataclass(frozen=True)
+class _Decision:
+    outcome: RoundOutcome
+    finish_error: Optional[str]  # the finish started before the decision failed
+    serving: bool  # committed, finished and labelled: the replica serves the round's version
+
+
 class SyncAgent:
-    def __init__(self, engine: Any, coordinator: Any, replica_id: str, ranks: int, model_path: str):
+    def __init__(self, engine: Any, coordinator: Any, replica_id: str, ranks: int, model_path: str, *, sync: Optional["SyncConfig"] = None):
+        """``coordinator``: a :class:`CoordinatorHandle`, or the coordinator's Serve handle
+        (wrapped in one). ``sync``: the platform's sync settings (their defaults when None)."""
+        if sync is None:
+            from rollout.config import SyncConfig
+
+            sync = SyncConfig()
         self.engine = engine
-        self.coordinator = coordinator
+        self.coordinator = coordinator if isinstance(coordinator, CoordinatorHandle) else CoordinatorHandle(coordinator)
         self.replica_id = replica_id
         self.ranks = ranks
         self.params = checkpoint_spec(model_path)
@@ -84,12 +159,14 @@ class SyncAgent:
         # What a trainer asked through vLLM's routes (/pause, /reset_prefix_cache), as applied here.
         self.control = Control()
         self._reset_ok = True
-        # Last answer from the coordinator; past `lost_after_s` without one, the coordinator
-        # may have dropped this replica and committed without it.
-        self.lost_after_s = SILENT_POLLS * POLL_S
+        # Replicas long-poll the coordinator (each poll returns within sync.poll_s), and one
+        # silent for sync.silent_polls polls is dropped from membership: a round may then
+        # commit without it. So past `lost_after_s` without an answer, this replica no
+        # longer knows the committed version.
+        self.lost_after_s = sync.silent_polls * sync.poll_s
         self._last_contact = time.monotonic()
         self._lost_logged = False
-        self._incoming: Optional[RoundPlan] = None  # the publish round this replica is in
+        self._incoming: Optional[Round] = None  # the round this replica is in
 
     @property
     def held(self) -> bool:
@@ -156,7 +233,9 @@ class SyncAgent:
         if version <= max(self.version, self.committed) + 1:
             return True
         plan = self._incoming
-        return plan is not None and not plan.restore and (plan.session or version <= plan.version)
+        if plan is None or isinstance(plan, RESTORE_ROUNDS):
+            return False
+        return isinstance(plan, SessionRound) or version <= plan.version
 
     async def wait_for_version(self, version: int, timeout_s: float) -> None:
         """Return once this replica serves ``version`` or newer; raise
@@ -186,7 +265,7 @@ class SyncAgent:
         self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="rollout-sync-agent")
 
     async def _register(self) -> int:
-        committed = await self.coordinator.register.remote(self.replica_id, self.ranks, self.version, self.params)
+        committed = await self.coordinator.register(self.replica_id, self.ranks, self.version, self.params)
         self._heard_from_coordinator()
         self.committed = max(self.committed, committed)
         return committed
@@ -194,7 +273,7 @@ class SyncAgent:
     async def _poll_forever(self) -> None:
         while True:
             try:
-                plan = await self.coordinator.next_round.remote(self.replica_id, self.version, self.control, self._reset_ok)
+                plan = await self.coordinator.next_round(self.replica_id, self.version, self.control, self._reset_ok)
             except Exception as e:  # any failure of the call: the coordinator restarting, gone, or its node lost
                 logger.warning("replica %s: coordinator unreachable (%s: %s); retrying", self.replica_id, type(e).__name__, e)
                 self.coordinator_lost_s()  # logs once when the silence passes the bound
@@ -205,23 +284,27 @@ class SyncAgent:
                 continue
             if isinstance(plan, Reregister):
                 await self._reregister()
-                continue
-            if isinstance(plan, Control):
+            elif isinstance(plan, Control):
                 await self._apply_control(plan)
-                continue
-            if isinstance(plan, SessionPlan):
+            elif isinstance(plan, SessionPlan):
                 await self._join_session(plan)
-                continue
-            try:
-                self._incoming = plan
-                consistent = await self._apply(plan)
-            except Exception:
-                logger.exception("replica %s: %s failed unexpectedly; restoring the committed weights", self.replica_id, plan.round_id)
-                consistent = False
-            finally:
-                self._incoming = None
-            if not consistent and not self.broken:
-                await self._restore()
+            else:
+                await self._run_round(plan)
+
+    async def _run_round(self, plan: Round) -> None:
+        """Apply ``plan``; then, where it left weights that must not serve, restore the
+        committed ones (recover's last step: after the round is reported, so the restore
+        round can open)."""
+        try:
+            self._incoming = plan
+            consistent = await self._apply(plan)
+        except Exception:
+            logger.exception("replica %s: %s failed unexpectedly; restoring the committed weights", self.replica_id, plan.round_id)
+            consistent = False
+        finally:
+            self._incoming = None
+        if not consistent and not self.broken:
+            await self._restore()
 
     async def _apply_control(self, want: Control) -> None:
         try:
@@ -246,8 +329,10 @@ class SyncAgent:
         limit = plan.timeout_s if get_backend(plan.backend).transport_has_deadline else plan.timeout_s + WEDGED_GRACE_S
         error = None
         try:
+            # The trainer's own init info, as it posted it (vLLM's dict), with this member's rank.
             init_info = plan.member_init_info(self.replica_id)
-            await check_reachable(init_info, plan.timeout_s)
+            address, port = init_info.get("master_address"), init_info.get("master_port")
+            await check_reachable((address, port) if address and port else None, plan.timeout_s)
             request = WeightTransferInitRequest(init_info=init_info)
             await asyncio.wait_for(self.engine.init_weight_transfer_engine(request), limit)
         except asyncio.TimeoutError:
@@ -256,7 +341,7 @@ class SyncAgent:
             error = f"{type(e).__name__}: {e}"
         if error:
             logger.error("replica %s: %s: %s", self.replica_id, plan.session_id, error)
-        await self.coordinator.joined.remote(plan.session_id, self.replica_id, error)
+        await self.coordinator.joined(plan.session_id, self.replica_id, error)
 
     async def _reregister(self) -> None:
         # The coordinator restarted (and learns the committed version back from us) or
@@ -277,7 +362,7 @@ class SyncAgent:
         reason = "restore failed"
         for attempt in (1, 2):
             try:
-                plan = await self.coordinator.restore.remote(self.replica_id)
+                plan = await self.coordinator.restore(self.replica_id)
                 if await self._apply(plan) and self.version == plan.version:
                     return
                 reason = f"restore round {plan.round_id} failed"
@@ -299,7 +384,7 @@ class SyncAgent:
 
     async def _await_publish(self, reason: str) -> None:
         try:
-            await asyncio.wait_for(self.engine.pause_generation(mode="keep", clear_cache=True), POLL_S * SILENT_POLLS)
+            await asyncio.wait_for(self.engine.pause_generation(mode="keep", clear_cache=True), self.lost_after_s)
         except Exception as e:  # the engine cannot even pause: it must go
             self.broken = f"cannot pause to wait for the next publish ({type(e).__name__}: {e})"
             logger.error("replica %s: %s", self.replica_id, self.broken)
@@ -307,109 +392,150 @@ class SyncAgent:
         self.awaiting_publish = f"no weights this replica can serve until the next publish ({reason})"
         logger.warning("replica %s: %s", self.replica_id, self.awaiting_publish)
 
-    async def _apply(self, plan: RoundPlan) -> bool:
+    # ---- one round: transfer, decide, recover ---------------------------------------
+
+    async def _apply(self, plan: Round) -> bool:
         """Run one round; return False when it left the weights inconsistent.
 
         Generation stays paused in that case (requests queue, none is served) until a
         restore round brings the committed weights back.
         """
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
-
-        t = plan.timeout_s
-        # A transport with a deadline of its own (gloo) ends its steps by itself: its engine
-        # calls get the round's deadline. Without one (NCCL), an engine call still running
-        # well past the deadline is blocked for good.
-        has_deadline = get_backend(plan.backend).transport_has_deadline
-        step_limit = t if has_deadline else t + WEDGED_GRACE_S
+        limits = _Limits.of(plan)
         clock = PhaseClock()
-        error: Optional[str] = None
-        unreachable: Optional[str] = None  # the rendezvous this replica could not reach
-        started = False
-        consistent = False
-        wedged = False
-        finishing: Optional[asyncio.Future] = None  # vLLM's finish, run while the coordinator decides
         async with clock("pause"):
             # Under a trainer's /pause, pause again in "keep": it aborts nothing the hold keeps
             # (requests sent meanwhile included) and still resets the prefix cache, so no KV
             # computed under the old weights is reused after the update.
             mode = "keep" if self.held else plan.pause_mode
-            await asyncio.wait_for(pause_for_update(self.engine, mode), t)
+            await asyncio.wait_for(pause_for_update(self.engine, mode), limits.round_s)
+        consistent = False
         try:
-            try:
-                if plan.checkpoint is not None:
-                    started = True  # vLLM reloads into the live model too
-                    async with clock("reload"):
-                        await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), step_limit)
-                else:
-                    if not plan.session:  # a route session's members joined at its init
-                        async with clock("join"):
-                            init_info = self._init_info(plan)
-                            if not plan.group_name:  # a kept group's rendezvous was reached before
-                                await check_reachable(init_info, t)
-                            await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), step_limit)
-                    async with clock("start"):
-                        await asyncio.wait_for(self.engine.start_weight_update(), step_limit)
-                    started = True
-                    update_info = plan.update_info()
-                    if plan.session:
-                        async with clock("trainer"):
-                            update_info = await self._session_update_info(plan)
-                    async with clock("receive"):
-                        await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)), step_limit)
-            except asyncio.TimeoutError:
-                # The engine call is still running in the engine core. Without a transport
-                # deadline its worker is blocked in a collective whose peer is gone, and every
-                # later call (finish, pause, reload) would queue behind it forever.
-                error = f"the engine did not finish {clock.current} within {step_limit:.0f}s"
-                if clock.current == "join":
-                    # Its rendezvous answered (probed first): what hangs is the transport's own
-                    # connections, which a firewall that drops them leaves waiting like this.
-                    error += f" (the rendezvous answered; the transport's own connections did not: {net.TRANSPORT_PORTS_HINT})"
-                wedged = not has_deadline
-                logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
-            except net.RendezvousUnreachable as e:
-                error, unreachable = str(e), e.target
-                logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-                logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
-            if error is None and plan.checkpoint is None:
-                # vLLM's finish (the layerwise reload's finalization) does not depend on the
-                # decision: it runs while the coordinator decides, and only the version label
-                # waits for the commit. After an abort the weights are restored either way.
-                finishing = asyncio.ensure_future(asyncio.wait_for(self.engine.finish_weight_update(), step_limit))
-            async with clock("decision"):
-                outcome = await self._report(plan, error, unreachable)
-            self.committed = max(self.committed, outcome.version)
-            finish_error = await self._finished(finishing, clock)
-            if outcome.committed and finish_error is None:
-                async with clock("version"):
-                    # Tokens are labelled with the engine's version from the resume on.
-                    await asyncio.wait_for(self.engine.update_weight_version(str(outcome.version)), t)
-                self.version = outcome.version
-                self.awaiting_publish = None  # every round carries the full model: whole weights again
-                consistent = True
-            elif wedged:
-                # Nothing more can run on this engine: fail health checks so Serve replaces
-                # the replica; the replacement catches up to the committed version as it starts.
-                self.broken = f"{plan.round_id}: {error}; the engine is blocked and this replica must be replaced"
-                logger.error("replica %s: %s", self.replica_id, self.broken)
-            elif started:
-                # vLLM loads tensors into the live model as they arrive: after a partial
-                # transfer (or a failed finish) the weights are a mix of two versions and must not serve.
-                why = finish_error if outcome.committed else f"aborted mid-transfer ({outcome.error})"
-                logger.error("replica %s: %s %s; restoring", self.replica_id, plan.round_id, why)
-                if plan.checkpoint is None and finishing is None:
-                    await self._close_update(t)
-            else:
-                consistent = True  # nothing was loaded
+            moved = await self._transfer(plan, clock, limits)
+            decision = await self._decide(plan, moved, clock, limits)
+            consistent = decision.serving or await self._recover(plan, moved, decision, limits)
         finally:
             if consistent and not self.held and not self.awaiting_publish:
                 async with clock("resume"):
                     await self.engine.resume_generation()
         logger.info("replica %s: %s took %s", self.replica_id, plan.round_id, clock)
-        await self.coordinator.applied.remote(plan.round_id, self.replica_id, self.version, clock.phases)
+        await self.coordinator.applied(plan.round_id, self.replica_id, self.version, clock.phases)
         return consistent
+
+    async def _transfer(self, plan: Round, clock: PhaseClock, limits: _Limits) -> _Transferred:
+        """Move the round's weights into the engine, by the kind of round; never raises
+        for a failed step (it is in the result, for the coordinator to hear)."""
+        moved = _Transferred()
+        try:
+            match plan:
+                case ReloadRound():
+                    await self._reload(plan, moved, clock, limits)
+                case SessionRound():
+                    await self._receive_in_session(plan, moved, clock, limits)
+                case PushRound() | PullRound():
+                    await self._join_and_receive(plan, moved, clock, limits)
+                case _:
+                    raise TypeError(f"not a round: {type(plan).__name__}")
+        except asyncio.TimeoutError:
+            # The engine call is still running in the engine core. Without a transport
+            # deadline its worker is blocked in a collective whose peer is gone, and every
+            # later call (finish, pause, reload) would queue behind it forever.
+            moved.error = f"the engine did not finish {clock.current} within {limits.step_s:.0f}s"
+            if clock.current == "join":
+                # Its rendezvous answered (probed first): what hangs is the transport's own
+                # connections, which a firewall that drops them leaves waiting like this.
+                moved.error += f" (the rendezvous answered; the transport's own connections did not: {net.TRANSPORT_PORTS_HINT})"
+            moved.wedged = not limits.has_deadline
+        except net.RendezvousUnreachable as e:
+            moved.error, moved.unreachable = str(e), e.target
+        except Exception as e:
+            moved.error = f"{type(e).__name__}: {e}"
+        if moved.error is not None:
+            logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, moved.error)
+        elif not isinstance(plan, ReloadRound):
+            # vLLM's finish (the layerwise reload's finalization) does not depend on the
+            # decision: it runs while the coordinator decides, and only the version label
+            # waits for the commit. After an abort the weights are restored either way.
+            moved.finishing = asyncio.ensure_future(asyncio.wait_for(self.engine.finish_weight_update(), limits.step_s))
+        return moved
+
+    async def _reload(self, plan: ReloadRound, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
+        moved.loaded = True  # vLLM reloads into the live model too
+        async with clock("reload"):
+            await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), limits.step_s)
+
+    async def _join_and_receive(self, plan: Union[PushRound, PullRound], moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        backend = get_backend(plan.backend)
+        async with clock("join"):
+            init_info = backend.engine_init_info(plan, plan.member(self.replica_id))
+            if not plan.transfer.group_name:  # a kept group's rendezvous was reached before
+                await check_reachable(backend.rendezvous(plan), limits.round_s)
+            await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), limits.step_s)
+        await self._start_update(moved, clock, limits)
+        offered = plan.transfer_info if isinstance(plan, PushRound) else None
+        await self._receive(backend.update_info(plan.params, offered), clock, limits)
+
+    async def _receive_in_session(self, plan: SessionRound, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
+        # A route session's members joined its group at the session's start.
+        await self._start_update(moved, clock, limits)
+        async with clock("trainer"):
+            update_info = await self._session_update_info(plan)
+        await self._receive(update_info, clock, limits)
+
+    async def _start_update(self, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
+        async with clock("start"):
+            await asyncio.wait_for(self.engine.start_weight_update(), limits.step_s)
+        moved.loaded = True
+
+    async def _receive(self, update_info: dict, clock: PhaseClock, limits: _Limits) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async with clock("receive"):
+            await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)), limits.step_s)
+
+    async def _session_update_info(self, plan: SessionRound) -> dict:
+        """A route session's round: say this member started, then wait for the trainer's
+        ``/update_weights`` (the round's deadline bounds the wait)."""
+        await self.coordinator.started(plan.round_id, self.replica_id, None)
+        info = await self.coordinator.update_info(plan.round_id, self.replica_id)
+        if info is None:
+            raise RuntimeError(f"{plan.round_id} ended before the trainer's /update_weights")
+        return info
+
+    async def _decide(self, plan: Round, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> _Decision:
+        """Report, take the coordinator's outcome, and on a commit label the weights."""
+        async with clock("decision"):
+            outcome = await self._report(plan, moved.error, moved.unreachable)
+        self.committed = max(self.committed, outcome.version)
+        finish_error = await self._finished(moved.finishing, clock)
+        if not outcome.committed or finish_error is not None:
+            return _Decision(outcome, finish_error, serving=False)
+        async with clock("version"):
+            # Tokens are labelled with the engine's version from the resume on.
+            await asyncio.wait_for(self.engine.update_weight_version(str(outcome.version)), limits.round_s)
+        self.version = outcome.version
+        self.awaiting_publish = None  # every round carries the full model: whole weights again
+        return _Decision(outcome, None, serving=True)
+
+    async def _recover(self, plan: Round, moved: _Transferred, decision: _Decision, limits: _Limits) -> bool:
+        """What a round that does not serve its version leaves; whether the weights are
+        still the committed ones (nothing was loaded)."""
+        if moved.wedged:
+            # Nothing more can run on this engine: fail health checks so Serve replaces
+            # the replica; the replacement catches up to the committed version as it starts.
+            self.broken = f"{plan.round_id}: {moved.error}; the engine is blocked and this replica must be replaced"
+            logger.error("replica %s: %s", self.replica_id, self.broken)
+            return False
+        if not moved.loaded:
+            return True  # nothing was loaded
+        # vLLM loads tensors into the live model as they arrive: after a partial transfer
+        # (or a failed finish) the weights are a mix of two versions and must not serve.
+        why = decision.finish_error if decision.outcome.committed else f"aborted mid-transfer ({decision.outcome.error})"
+        logger.error("replica %s: %s %s; restoring", self.replica_id, plan.round_id, why)
+        if moved.finishing is None and not isinstance(plan, ReloadRound):
+            await self._close_update(limits.round_s)
+        return False
 
     async def _finished(self, finishing: Optional[asyncio.Future], clock: PhaseClock) -> Optional[str]:
         """Wait for the finish started before the decision; its error, or None."""
@@ -424,23 +550,11 @@ class SyncAgent:
                 return f"finishing the update failed: {type(e).__name__}: {e}"
         return None
 
-    async def _session_update_info(self, plan: RoundPlan) -> dict:
-        """A route session's round: say this member started, then wait for the trainer's
-        ``/update_weights`` (the round's deadline bounds the wait)."""
-        await self.coordinator.started.remote(plan.round_id, self.replica_id, None)
-        info = await self.coordinator.update_info.remote(plan.round_id, self.replica_id)
-        if info is None:
-            raise RuntimeError(f"{plan.round_id} ended before the trainer's /update_weights")
-        return info
-
-    def _init_info(self, plan: RoundPlan) -> dict:
-        return get_backend(plan.backend).init_info(plan, plan.member(self.replica_id))
-
-    async def _report(self, plan: RoundPlan, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
+    async def _report(self, plan: Round, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
         """The round's decision; an unreachable coordinator counts as an abort, so the
         weights are restored rather than trusted."""
         try:
-            outcome = await self.coordinator.report.remote(plan.round_id, self.replica_id, error, unreachable)
+            outcome = await self.coordinator.report(plan.round_id, self.replica_id, error, unreachable)
         except Exception as e:
             logger.error("replica %s: reporting %s failed (%s); treating it as aborted", self.replica_id, plan.round_id, e)
             return RoundOutcome(plan.round_id, False, -1, f"report failed: {e}", [self.replica_id])

@@ -1,11 +1,12 @@
-"""The coordinator's copy of the last committed weights, and the rounds it serves from it.
+"""The gloo backend's copy of the last committed weights on the coordinator, and the bytes
+it moves; the committed-weights store (:mod:`rollout.sync.store`) decides when it is used.
 
 After a publish round commits, the publisher sends this copy over a group of two of its
 own, from the packed buckets it sent the replicas: the replicas never wait for it, and it
 costs the coordinator's node one model's worth of host memory. (Rounds a trainer drives
 through vLLM's routes know nothing of that second send: there the keeper joins the
 trainer's group as one more receiving rank.) From that copy it acts as the sender of
-*restore* rounds: a replica that starts after a commit catches up before it takes
+*pull* rounds: a replica that starts after a commit catches up before it takes
 traffic, and a replica whose transfer broke off mid-way reloads the committed weights
 instead of serving a mix. Before the first commit the copy is the checkpoint on disk,
 read lazily.
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
-from rollout.sync.backends.gloo import GlooSender, copy_rendezvous, rendezvous
-from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
-from rollout.sync.backends.gloo_stream import receive_buckets
-from rollout.sync.protocol import ParamSpec, RoundPlan
+from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, copy_rendezvous, rendezvous
+from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
+from rollout.sync.protocol import ParamSpec, PullRound, PushRound, SessionRound
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,11 @@ class WeightKeeper:
 
     # ---- receiving (a rank of every publish round) ----------------------------------
 
-    def join(self, rendezvous: Rendezvous, rank: int) -> None:
+    def join(self, plan: SessionRound, rank: int) -> None:
         """Blocking: join a route session's group ahead of its rounds (see sessions.py)."""
-        self._slot.join(rendezvous, rank)
+        self._slot.join(rendezvous(plan), rank)
 
-    def receive(self, plan: RoundPlan, rank: int) -> None:
+    def receive(self, plan: Union[PushRound, SessionRound], rank: int) -> None:
         """Blocking: join ``plan``'s group as ``rank`` and stage every tensor."""
         staged: dict[str, torch.Tensor] = {}
         with self._slot.use(rendezvous(plan), rank) as group:
@@ -54,7 +54,7 @@ class WeightKeeper:
                 staged.update(named)
         self._staging[plan.round_id] = (plan.version, staged)
 
-    def receive_copy(self, plan: RoundPlan) -> dict[str, torch.Tensor]:
+    def receive_copy(self, plan: PushRound) -> dict[str, torch.Tensor]:
         """Blocking: the copy of committed ``plan`` from its publisher, over the group of
         two the plan names (rank 1); installed with :meth:`install`."""
         staged: dict[str, torch.Tensor] = {}
@@ -96,13 +96,13 @@ class WeightKeeper:
             self._committed = self._load_checkpoint()
         return [self._committed[p.name] for p in params]
 
-    def send(self, plan: RoundPlan) -> None:
-        """Blocking: act as rank 0 of a restore round (a group of its own, closed after)."""
-        sender = GlooSender()
+    def send(self, plan: PullRound) -> None:
+        """Blocking: act as rank 0 of a pull round (a group of its own, closed after)."""
+        group = GlooGroup(rendezvous(plan), 0)
         try:
-            sender.send(plan, self.committed(plan.params))
+            send_buckets(group, plan.params, self.committed(plan.params), plan.bucket_bytes)
         finally:
-            sender.close()
+            group.close()
 
     def _load_checkpoint(self) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file

@@ -7,7 +7,7 @@ agent alike. Torch-free: the ingress and the config import it without loading to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from rollout.errors import RolloutError
 
@@ -16,13 +16,6 @@ SYNC_TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"  # where publishers and the coordinator fi
 DEFAULT_BUCKET_BYTES = 32 << 20  # bytes per packed bucket (sync.bucket_bytes)
 
 PauseMode = Literal["keep", "wait", "abort"]
-
-# Replicas long-poll the coordinator: each poll returns after at most POLL_S. One silent
-# for SILENT_POLLS polls is dropped from membership, and a round may commit without it;
-# so a replica that has not reached the coordinator for as long no longer knows the
-# committed version.
-POLL_S = 5.0
-SILENT_POLLS = 3
 
 # Bytes per element of the dtypes a checkpoint may hold (torch's names, no "torch." prefix).
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
@@ -105,7 +98,7 @@ class RoundRequest:
     reuse_group: Optional[str] = None
     # What replicas pull from, for backends where they pull (``ipc``: one CUDA IPC handle
     # per parameter, in ``params`` order); checked by the backend.
-    transfer_info: Optional[dict] = None
+    transfer_info: Optional[Any] = None
     # A directory every replica reads holding the same weights: once committed, replicas
     # that start later or roll back reload it.
     checkpoint: Optional[str] = None
@@ -125,43 +118,45 @@ class Member:
 
 
 @dataclass(frozen=True)
-class RoundPlan:
-    """Everything a participant needs to join round ``round_id`` committing ``version``."""
+class Transfer:
+    """The transfer group a round's bytes travel over: rank 0 (the sender) hosts its
+    rendezvous at ``master_address:master_port``."""
+
+    master_address: str
+    master_port: int
+    world_size: int  # the sender, every member's ranks and the coordinator's copy where it receives
+    # An earlier round's group, kept by every participant while membership is unchanged
+    # (or a route session's), or (empty) a new one named after the round.
+    group_name: str = ""
+
+
+@dataclass(frozen=True)
+class CopyGroup:
+    """The group of two over which a publisher sends the coordinator's copy once its round
+    commits (the publisher at ``master_address:port`` as rank 0, the copy as rank 1),
+    formed for that copy alone, off the round's critical path."""
+
+    group_name: str
+    port: int
+
+
+# The kinds of round, one type each (a tagged union on ``kind``): a field that one kind
+# needs and another must not have lives on that kind alone, so no plan can say two
+# contradictory things. Frozen: a plan is what the coordinator decided, sent as it is
+# (pickled over Ray; as JSON over HTTP, where ``kind`` tells them apart).
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RoundBase:
+    """What every round has: the version it commits, who takes part, what it carries."""
 
     round_id: str
     version: int
     backend: str
-    master_address: str
-    master_port: int
-    world_size: int
     members: tuple[Member, ...]
     params: tuple[ParamSpec, ...]
     bucket_bytes: int
-    pause_mode: PauseMode
     timeout_s: float
-    keeper_rank: Optional[int] = None  # the coordinator's copy receives as this rank
-    restore: bool = False  # brings one member back to the committed version
-    # The transfer group this round runs on: an earlier round's, kept by every
-    # participant while membership is unchanged, or (empty) a new one named after this round.
-    group_name: str = ""
-    # What the publisher offered for replicas to pull from (see RoundRequest.transfer_info).
-    transfer_info: Optional[dict] = None
-    # Restore rounds only: a directory of the committed weights that the member reloads
-    # with vLLM's ``reload_weights`` instead of receiving them.
-    checkpoint: Optional[str] = None
-    # Rounds a trainer drives through vLLM's routes: the session whose transfer group the
-    # members joined at ``/init_weight_transfer_engine``. Members skip the join and take
-    # the update info from ``/update_weights`` (``params`` is empty until then).
-    session: str = ""
-    # Publish rounds whose coordinator keeps a copy: the publisher sends that copy over
-    # this group of two (see RoundRequest.copy_group) once the round commits, and
-    # ``keeper_rank`` is None. Empty: the copy receives in the round as ``keeper_rank``.
-    copy_group: str = ""
-    copy_port: int = 0
-
-    @property
-    def group(self) -> str:
-        return self.group_name or self.round_id
 
     def member(self, replica_id: str) -> Member:
         for m in self.members:
@@ -169,15 +164,110 @@ class RoundPlan:
                 return m
         raise KeyError(f"replica {replica_id} is not in round {self.round_id}")
 
+
+@dataclass(frozen=True, kw_only=True)
+class _TransferRound(_RoundBase):
+    """A round whose bytes move over a transfer group (every kind but a reload)."""
+
+    transfer: Transfer
+
+    @property
+    def group(self) -> str:
+        """The transfer group's name: the kept one, or one named after this round."""
+        return self.transfer.group_name or self.round_id
+
+    # Shorthands for the transfer's fields, for a trainer that drives a round's group
+    # itself (as the dying trainer of tests/test_weight_sync_e2e.py does).
+    @property
+    def master_address(self) -> str:
+        return self.transfer.master_address
+
+    @property
+    def master_port(self) -> int:
+        return self.transfer.master_port
+
+    @property
+    def world_size(self) -> int:
+        return self.transfer.world_size
+
     def update_info(self) -> dict:
-        """The update info for vLLM's ``update_weights``: the same for every backend,
-        plus what the publisher offered."""
-        return dict(
-            names=[p.name for p in self.params],
-            dtype_names=[p.dtype for p in self.params],
-            shapes=[list(p.shape) for p in self.params],
-            **(self.transfer_info or {}),
-        )
+        """vLLM's ``update_weights`` info as every backend starts it (a pull backend adds
+        what its publisher offered: ``SyncBackend.update_info``)."""
+        return dict(names=[p.name for p in self.params], dtype_names=[p.dtype for p in self.params], shapes=[list(p.shape) for p in self.params])
+
+    def __post_init__(self) -> None:
+        for m in self.members:
+            if m.rank_offset < 1 or m.rank_offset + m.ranks > self.transfer.world_size:
+                raise ValueError(f"{self.round_id}: {m.replica_id}'s ranks {m.rank_offset}..{m.rank_offset + m.ranks - 1} are outside world size {self.transfer.world_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushRound(_TransferRound):
+    """A trainer's publish (:class:`RoundRequest`): the publisher sends as rank 0."""
+
+    kind: Literal["push"] = field(default="push", init=False)
+    pause_mode: PauseMode
+    # The coordinator's copy receives in the round as this rank (None: it does not, or
+    # it receives over ``copy`` after the commit).
+    keeper_rank: Optional[int] = None
+    # What the publisher offered for replicas to pull from (see RoundRequest.transfer_info),
+    # as the backend typed it (its TransferInfo); the backend adds it to the update info.
+    transfer_info: Optional[Any] = None
+    # The group of two over which the publisher sends the coordinator's copy once the
+    # round commits (see RoundRequest.copy_group); None: no copy, or ``keeper_rank``.
+    copy: Optional[CopyGroup] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.keeper_rank is not None and self.copy is not None:
+            raise ValueError(f"{self.round_id}: the coordinator's copy receives either in the round (keeper_rank) or after it (copy), not both")
+        if self.keeper_rank is not None and not 1 <= self.keeper_rank < self.transfer.world_size:
+            raise ValueError(f"{self.round_id}: keeper_rank {self.keeper_rank} is outside world size {self.transfer.world_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PullRound(_TransferRound):
+    """Catch-up or rollback of one member from the coordinator's copy of the committed
+    weights: the coordinator sends as rank 0, over a group of its own."""
+
+    kind: Literal["pull"] = field(default="pull", init=False)
+
+    @property
+    def pause_mode(self) -> PauseMode:
+        return "keep"  # the member is not serving the committed weights: nothing to finish first
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReloadRound(_RoundBase):
+    """Catch-up or rollback of one member that reloads the committed weights itself from
+    a directory the publisher named, with vLLM's ``reload_weights``: nothing is sent."""
+
+    kind: Literal["reload"] = field(default="reload", init=False)
+    checkpoint: str
+
+    @property
+    def pause_mode(self) -> PauseMode:
+        return "keep"
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint:
+            raise ValueError(f"{self.round_id}: a reload round needs the checkpoint directory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionRound(_TransferRound):
+    """A round a trainer drives through vLLM's routes, on the group of ``session``: the
+    members joined it at ``/init_weight_transfer_engine`` and take the update info from
+    ``/update_weights`` (``params`` is empty until then)."""
+
+    kind: Literal["session"] = field(default="session", init=False)
+    session: str
+    pause_mode: PauseMode
+    keeper_rank: Optional[int] = None  # the coordinator's copy receives in the round as this rank
+
+
+Round = Union[PushRound, PullRound, ReloadRound, SessionRound]
+RESTORE_ROUNDS = (PullRound, ReloadRound)  # bring one member back to the committed version
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,11 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from rollout.sync import net
-from rollout.sync.backends import get_backend, make_sender
-from rollout.sync.backends.base import Sender
-from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, CoordinatorUnreachableError, ParamSpec, PublisherUnreachableError, RoundOutcome, RoundPlan, RoundRequest, SyncError
-from rollout.sync.remote import CoordinatorClient, HandleCoordinator, HttpCoordinator
+from rollout.sync.backends import make_sender
+from rollout.sync.backends.base import CopySender, Sender
+from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, CoordinatorUnreachableError, ParamSpec, PublisherUnreachableError, PushRound, RoundOutcome, RoundRequest, SyncError
+from rollout.sync.coordinator_client import BlockingCoordinatorHandle
+from rollout.sync.remote import CoordinatorClient, HttpCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ DECIDED_ASK_S = 5.0
 FINISH_MARGIN_S = 10.0
 
 
-def _finish_bound_s(plan: RoundPlan, error: Optional[str], since_open_s: float) -> float:
+def _finish_bound_s(plan: PushRound, error: Optional[str], since_open_s: float) -> float:
     """How long the finish call may take before the coordinator counts as lost. It decides
     an abort at once; a commit by the round's deadline (three steps from opening) and then
     waits one more step for the members to serve it. Beyond that nothing is slow: the
@@ -54,7 +55,7 @@ def _finish_bound_s(plan: RoundPlan, error: Optional[str], since_open_s: float) 
     return max(plan.timeout_s, 4 * plan.timeout_s - since_open_s) + FINISH_MARGIN_S
 
 
-def _send_with_deadline(sender, plan, tensors, decided: Callable[[], bool] = lambda: False) -> Optional[str]:
+def _send_with_deadline(sender: Sender, plan: PushRound, tensors, decided: Callable[[], bool] = lambda: False) -> Optional[str]:
     """Run the transfer with the round's deadline; the error text, or None on success.
 
     A transport blocked on a peer that went away must not hang the trainer: after the
@@ -130,7 +131,7 @@ class WeightPublisher:
         from ray import serve
 
         handle = serve.get_deployment_handle(COORDINATOR_NAME, app_name=app_name)
-        return cls(HandleCoordinator(handle, timeout_s), backend, _token(token), ports=ports)
+        return cls(BlockingCoordinatorHandle(handle, timeout_s), backend, _token(token), ports=ports)
 
     @classmethod
     def http(
@@ -185,7 +186,9 @@ class WeightPublisher:
         self.flush()  # one copy at a time, in the order of the commits
         if self._sender is None:
             self._sender = make_sender(backend)
-        copy_group, copy_port = self._sender.copy_offer(self.ports, self._ports_setting) if get_backend(backend).keeps_copy else ("", 0)
+        # A sender that feeds the coordinator's copy says where that copy goes (see CopySender).
+        copier = self._sender if isinstance(self._sender, CopySender) else None
+        copy = copier.copy_offer(self.ports, self._ports_setting) if copier is not None else None
         advertised = net.choose(toward=self._coordinator.host)
         if not net.is_local(advertised.address):
             # Found here, before any replica pauses, rather than as the transport's failure
@@ -202,8 +205,8 @@ class WeightPublisher:
             reuse_group=self._sender.group_name,
             transfer_info=self._sender.offer(list(tensors.values())),
             checkpoint=checkpoint,
-            copy_group=copy_group,
-            copy_port=copy_port,
+            copy_group=copy.group_name if copy is not None else "",
+            copy_port=copy.port if copy is not None else 0,
         )
         plan = self._coordinator.begin_round(self._token, request)
         t_open = time.perf_counter()
@@ -226,21 +229,21 @@ class WeightPublisher:
         t_done = time.perf_counter()
         # Where the trainer's time went; the replicas' own steps are in outcome.phases.
         self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
-        self.last_phases.update({f"send.{k}": v for k, v in getattr(sender, "phases", {}).items()})
+        self.last_phases.update({f"send.{k}": v for k, v in sender.phases.items()})
         self.last_outcome = outcome
-        if plan.copy_group and self._sender is sender:
+        if copier is not None and plan.copy is not None and self._sender is copier:
             if outcome.committed:
-                self._start_copy(sender, plan)
+                self._start_copy(copier, plan)
             else:
-                sender.drop_kept()
+                copier.drop_kept()
         if outcome.unreachable:
             raise PublisherUnreachableError(
                 f"{plan.round_id} aborted: the replicas cannot reach this publisher at {outcome.unreachable}, "
-                f"the address it advertised ({advertised.source}), {net.describe_port(plan.master_port, self.ports, self._ports_setting)}: "
+                f"the address it advertised ({advertised.source}), {net.describe_port(plan.transfer.master_port, self.ports, self._ports_setting)}: "
                 f"{outcome.error}. Set {net.ADDRESS_ENV} to an address of this host that the replicas reach, and let them "
                 f"connect to that port; replicas keep version {outcome.version}",
-                plan.master_address,
-                plan.master_port,
+                plan.transfer.master_address,
+                plan.transfer.master_port,
             )
         if not outcome.committed:
             raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
@@ -253,7 +256,7 @@ class WeightPublisher:
             )
         return outcome.version
 
-    def _start_copy(self, sender: Sender, plan: RoundPlan) -> None:
+    def _start_copy(self, sender: CopySender, plan: PushRound) -> None:
         """Send the coordinator's copy of the committed round in the background: every
         replica already serves it, and a replica that needs catching up meanwhile waits
         for the copy at the coordinator."""

@@ -9,12 +9,14 @@ from typing import Annotated, Any, Optional, Protocol
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 from rollout.api import NonNegativeInt, _integral
-from rollout.errors import InvalidRequestError, unwrap_remote
-from rollout.sync.protocol import CoordinatorUnreachableError, ParamSpec, RoundOutcome, RoundPlan, RoundRequest, SyncError
+from rollout.errors import InvalidRequestError
+from rollout.sync.auth import SYNC_TOKEN_HEADER
+from rollout.sync.coordinator_client import BlockingCoordinatorHandle
+from rollout.sync.protocol import CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, SyncError
+from rollout.wire_errors import decode
 
-PLAN = TypeAdapter(RoundPlan)
+PLAN = TypeAdapter(PushRound)  # begin_round's answer: a publish round
 OUTCOME = TypeAdapter(RoundOutcome)
-SYNC_TOKEN_HEADER = "X-Rollout-Sync-Token"
 
 
 class SyncParam(BaseModel):
@@ -89,7 +91,7 @@ class CoordinatorClient(Protocol):
 
     # Every call raises CoordinatorUnreachableError when the coordinator does not answer
     # within ``timeout_s`` (default: the client's own bound).
-    def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan: ...
+    def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound: ...
 
     def finish(self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None) -> RoundOutcome:
         """``error`` None: the trainer sent everything; else it aborts the round. Takes the
@@ -99,39 +101,8 @@ class CoordinatorClient(Protocol):
     def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]: ...
 
 
-class HandleCoordinator:
-    host = None  # inside the Ray cluster: publishers advertise their node's address
-
-    def __init__(self, handle, timeout_s: float = 600.0):
-        self.handle = handle
-        self.timeout_s = timeout_s  # like HttpCoordinator's: a coordinator that never answers is an error
-
-    def _call(self, method: str, *args, timeout_s: Optional[float] = None):
-        from ray.exceptions import RayActorError
-
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            return getattr(self.handle, method).remote(*args).result(timeout_s=timeout_s)
-        except TimeoutError:
-            raise CoordinatorUnreachableError(f"the coordinator did not answer {method} within {timeout_s:g}s") from None
-        except Exception as e:
-            cause = unwrap_remote(e)
-            if isinstance(cause, RayActorError):
-                # It died with the call in flight: a round it had decided may have committed.
-                raise SyncError(
-                    f"the coordinator died during {method} ({type(cause).__name__}); a round it was deciding may have committed: "
-                    "status() has the committed version once it is back"
-                ) from None
-            raise cause from None
-
-    def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
-        return self._call("begin_round", token, request)
-
-    def finish(self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None) -> RoundOutcome:
-        return self._call("finish", token, round_id, error, timeout_s=timeout_s)
-
-    def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
-        return self._call("status", timeout_s=timeout_s)
+# Inside the Ray cluster: the coordinator's Serve handle, typed and bounded.
+HandleCoordinator = BlockingCoordinatorHandle
 
 
 class HttpCoordinator:
@@ -145,8 +116,6 @@ class HttpCoordinator:
     def _request(self, method: str, path: str, timeout_s: Optional[float] = None, **kwargs: Any) -> Any:
         import httpx
 
-        from rollout.client.http import raise_for_error
-
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
         try:
             resp = self.client.request(method, path, timeout=timeout, **kwargs)
@@ -155,22 +124,17 @@ class HttpCoordinator:
             # (on a link that drops packets) waits out the client's whole timeout first.
             within = f" within {timeout_s:.3g}s" if timeout_s is not None else ""
             raise CoordinatorUnreachableError(f"the coordinator at {self.client.base_url} did not answer {method} {path}{within} ({type(e).__name__}: {e})") from None
-        if resp.status_code == 409:
-            # The ingress answers a SyncError with 409 "sync_error": the same type here.
-            try:
-                err = resp.json().get("error", {})
-            except ValueError:
-                err = {}
-            if isinstance(err, dict) and err.get("type") == "sync_error":
-                raise SyncError(err.get("message", "HTTP 409"))
-        raise_for_error(resp)
+        # The ingress answers from rollout.wire_errors' table (a SyncError: 409 "sync_error").
+        error = decode(resp.status_code, resp.content, resp.headers)
+        if error is not None:
+            raise error
         return resp.json()
 
     def _post(self, path: str, body: dict, token: Optional[str] = None, timeout_s: Optional[float] = None) -> Any:
         headers = {SYNC_TOKEN_HEADER: token} if token else {}
         return self._request("POST", path, timeout_s, json=body, headers=headers)
 
-    def begin_round(self, token: Optional[str], request: RoundRequest) -> RoundPlan:
+    def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound:
         body = BeginRoundBody.of(request).model_dump(mode="json")
         return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
 

@@ -30,15 +30,31 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rollout.errors import InvalidRequestError
-from rollout.sync.protocol import Control, ParamSpec, PauseMode, SessionPlan, SyncError
+from rollout.sync.membership import Membership
+from rollout.sync.protocol import Control, ParamSpec, PauseMode, PullRound, PushRound, Round, SessionPlan, SessionRound, SyncError, Transfer
+from rollout.sync.rounds import Rounds, RoundState
 from rollout.sync.rules import assign_ranks, check_spec
+from rollout.sync.store import CommittedWeights
+
+if TYPE_CHECKING:
+    from rollout.config import SyncConfig
 
 logger = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.02  # how often a route re-checks what it waits for
+
+
+@dataclass
+class _Update:
+    """A session round's steps as the routes drive them: who started, the trainer's info."""
+
+    rnd: RoundState
+    started: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
+    info: Optional[dict] = None  # the trainer's /update_weights
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -54,6 +70,12 @@ class Session:
         # session's polls cost the square of its members).
         self.by_id = {m.replica_id: m for m in self.plan.members}
         self.member_ids = frozenset(self.by_id)
+
+    def round_plan(self, fields: dict, pause_mode: PauseMode) -> SessionRound:
+        """A round on this session's group (``fields``: the shared ones, params empty)."""
+        info = self.plan.init_info
+        transfer = Transfer(info["master_address"], info["master_port"], self.plan.world_size, str(info.get("group_name", "")))
+        return SessionRound(**fields, transfer=transfer, session=self.plan.session_id, pause_mode=pause_mode, keeper_rank=self.keeper_rank)
 
     def plan_for(self, replica_id: str) -> SessionPlan:
         """The plan as one member receives it: only its own entry of ``members``."""
@@ -109,81 +131,86 @@ def parse_version(weight_version: Optional[str], committed: int) -> int:
 
 
 class RouteSessions:
-    """The coordinator's side of vLLM's RL routes (mixed into WeightSyncCoordinator,
-    whose state it uses: replicas, rounds, the round lock, the keeper)."""
+    """The coordinator's side of vLLM's RL routes: a client of round execution (its rounds
+    are :class:`SessionRound`s), of membership (who joins, the Control they apply) and of
+    the committed-weights store (the copy joins the trainer's group where one is kept).
+    The caller (the coordinator) has checked the credential of every route."""
 
-    def _init_sessions(self) -> None:
-        self.control = Control()
-        self._session: Optional[Session] = None
-        self._session_ended: Optional[str] = None  # why the last one ended, for the next start's error
+    def __init__(self, sync: SyncConfig, backend: str, membership: Membership, rounds: Rounds, store: CommittedWeights):
+        self.sync = sync
+        self.backend = backend
+        self.membership = membership
+        self.rounds = rounds
+        self.store = store
+        self.session: Optional[Session] = None
+        self._ended: Optional[str] = None  # why the last one ended, for the next start's error
+        self._update: Optional[_Update] = None  # the current session round's steps
+        rounds.listeners.append(self)
+
+    # ---- following rounds (RoundListener) -------------------------------------------------
+
+    def opening(self, plan: Round) -> None:
+        s = self.session
+        if s is None:
+            return
+        if isinstance(plan, PushRound):
+            self.end("a publish from WeightPublisher took the replicas' transfer engines")
+        elif isinstance(plan, PullRound) and any(m.replica_id in s.member_ids for m in plan.members):
+            self.end(f"{plan.members[0].replica_id} is restored over a group of its own")
+
+    def decided(self, rnd: RoundState) -> None:
+        if isinstance(rnd.plan, SessionRound) and not rnd.outcome.committed:
+            self.end(f"{rnd.round_id} aborted")  # members restore over other groups
 
     # ---- pause, resume, caches ----------------------------------------------------------
 
-    async def pause(self, token: Optional[str], mode: PauseMode, clear_cache: bool) -> None:
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         """``/pause``: every live replica holds generation until ``/resume``."""
-        await self._authorize(token)
-        await self._set_control(dataclasses.replace(self.control, paused=mode, clear_cache=clear_cache))
+        await self._set_control(dataclasses.replace(self.membership.control, paused=mode, clear_cache=clear_cache))
 
-    async def resume(self, token: Optional[str]) -> None:
-        await self._authorize(token)
-        await self._set_control(dataclasses.replace(self.control, paused=None, clear_cache=False))
+    async def resume(self) -> None:
+        await self._set_control(dataclasses.replace(self.membership.control, paused=None, clear_cache=False))
 
-    async def reset_prefix_cache(self, token: Optional[str]) -> bool:
+    async def reset_prefix_cache(self) -> bool:
         """Whether every replica's reset succeeded (vLLM's fails while blocks are held)."""
-        await self._authorize(token)
-        await self._set_control(dataclasses.replace(self.control, cache_resets=self.control.cache_resets + 1))
-        return all(r.reset_ok for r in self.replicas.values())
-
-    async def paused(self, token: Optional[str]) -> bool:
-        await self._authorize(token)
-        return self.control.paused is not None
-
-    async def weight_version(self, token: Optional[str]) -> int:
-        await self._authorize(token)
-        return self.committed_version
+        c = self.membership.control
+        await self._set_control(dataclasses.replace(c, cache_resets=c.cache_resets + 1))
+        return all(r.reset_ok for r in self.membership.replicas.values())
 
     async def _set_control(self, c: Control) -> None:
         """Returns once every live replica applied ``c`` (they poll at once: woken here).
         If some did not in time, the previous control is restored (replicas that applied
         ``c`` undo it on their next poll) and the call fails: nothing is left half paused."""
-        previous, self.control = self.control, c
-        self._wake_all()
+        members = self.membership
+        previous, members.control = members.control, c
+        members.wake_all()
         # Long enough for a replica that went away (scaled down, died) without a word to be
-        # dropped as silent (3 polls): waiting on it must not fail the call.
-        timeout = max(self.config.sync.timeout_s, 3 * self.poll_s) + self.poll_s
-        if not await self._wait_until(lambda: all(self.replicas[rid].control == c for rid in self._live()), timeout):
-            behind = sorted(rid for rid, r in self.replicas.items() if r.control != c)
-            self.control = previous
-            self._wake_all()
+        # dropped as silent: waiting on it must not fail the call.
+        timeout = max(self.sync.timeout_s, members.silent_polls * members.poll_s) + members.poll_s
+        if not await _wait_until(lambda: all(members.replicas[rid].control == c for rid in self.rounds.live()), timeout):
+            behind = sorted(rid for rid, r in members.replicas.items() if r.control != c)
+            members.control = previous
+            members.wake_all()
             raise SyncError(f"replicas {behind} did not apply {c} within {timeout:.0f}s (a round in progress holds them); nothing changed")
-
-    def _wake_all(self) -> None:
-        for r in self.replicas.values():
-            r.wake.set()
 
     # ---- the session: /get_world_size, /init_weight_transfer_engine ---------------------
 
     def inference_world_size(self) -> int:
         """The ranks a trainer must count besides its own: every live replica's, plus
         the coordinator's copy where the backend keeps one (it receives the broadcast too)."""
-        return sum(self._live().values()) + (1 if self.keeper is not None else 0)
+        return sum(self.rounds.live().values()) + (1 if self.store.keeps_copy else 0)
 
-    async def world_size(self, token: Optional[str]) -> int:
-        await self._authorize(token)
-        return self.inference_world_size()
-
-    async def open_session(self, token: Optional[str], init_info: dict) -> None:
-        """Every live replica (and the keeper) joins the trainer's group; returns when all have."""
-        await self._authorize(token)
-        if self.params is None:
+    async def open(self, init_info: dict) -> None:
+        """Every live replica (and the copy) joins the trainer's group; returns when all have."""
+        if self.membership.params is None:
             raise SyncError("no engine replica has registered yet")
         if not isinstance(init_info, dict):
             raise InvalidRequestError("init_info", "must be an object")
         if init_info.get("nccl_unique_id_b64"):
             raise InvalidRequestError("init_info.nccl_unique_id_b64", "not supported here: pass master_address and master_port (the replicas rendezvous over TCP)")
         _required(init_info, "master_address", str)
-        if self.keeper is not None:
-            _required(init_info, "group_name", str)  # the coordinator's copy joins the same gloo group
+        if self.store.keeps_copy:
+            _required(init_info, "group_name", str)  # the coordinator's copy joins the same group
         port = _required(init_info, "master_port", int)
         if not 1 <= port <= 65535:
             raise InvalidRequestError("init_info.master_port", f"{port} is not a TCP port")
@@ -191,25 +218,22 @@ class RouteSessions:
         offset = init_info.get("rank_offset", 1)
         if offset != 1:
             raise InvalidRequestError("init_info.rank_offset", f"must be 1 (one trainer rank, 0, sends); got {offset!r}")
-        await self._acquire_round()
-        try:
+        async with self.rounds.exclusive():
             expected = 1 + self.inference_world_size()
             if world != expected:
                 raise InvalidRequestError(
                     "init_info.world_size", f"{world} does not match 1 trainer rank + {expected - 1} inference ranks; ask /get_world_size again (replicas come and go)"
                 )
-            live = self._live()
-            members, world_size = assign_ranks(live)
-            keeper_rank = world_size if self.keeper is not None else None
+            members, world_size = assign_ranks(self.rounds.live())
+            keeper_rank = world_size if self.store.keeps_copy else None
             info = {k: v for k, v in init_info.items() if k != "rank_offset"}
-            plan = SessionPlan(f"session-{uuid.uuid4().hex[:8]}", self.backend, members, expected, info, self.config.sync.timeout_s)
-            self._session = session = Session(plan, keeper_rank)
-            for m in members:
-                self.replicas[m.replica_id].wake.set()
+            plan = SessionPlan(f"session-{uuid.uuid4().hex[:8]}", self.backend, members, expected, info, self.sync.timeout_s)
+            self.session = session = Session(plan, keeper_rank)
+            self.membership.wake(m.replica_id for m in members)
             if keeper_rank is not None:
-                asyncio.get_running_loop().create_task(self._keeper_join(session))
+                asyncio.get_running_loop().create_task(self._copy_joins(session))
             logger.info("opened %s: %d replicas join the trainer's group (world size %d)", plan.session_id, len(members), expected)
-            done = await self._wait_until(
+            done = await _wait_until(
                 lambda: session.member_ids <= set(session.joined) and (keeper_rank is None or session.keeper_joined),
                 3 * plan.timeout_s,
                 stop=lambda: any(session.joined.values()) or session.keeper_error is not None,
@@ -218,170 +242,146 @@ class RouteSessions:
             if session.keeper_error:
                 errors["the coordinator's copy"] = session.keeper_error
             if errors or not done:
-                self._end_session(f"joining failed: {errors or 'timed out'}")
+                self.end(f"joining failed: {errors or 'timed out'}")
                 missing = sorted(session.member_ids - set(session.joined))
                 raise SyncError(f"{plan.session_id}: joining the trainer's group failed: {errors or f'no answer from {missing} within {3 * plan.timeout_s:.0f}s'}")
-        finally:
-            self._round_lock.release()
 
-    async def _keeper_join(self, session: Session) -> None:
-        from rollout.sync.backends.gloo import rendezvous
-
+    async def _copy_joins(self, session: Session) -> None:
         try:
-            plan = self._session_round_plan(session, "join", version=0)
-            await asyncio.to_thread(self.keeper.join, rendezvous(plan), session.keeper_rank)
+            await self.store.join(self._round_plan(session, "join", version=0), session.keeper_rank)
             session.keeper_joined = True
         except Exception as e:
             session.keeper_error = f"{type(e).__name__}: {e}"
 
-    async def joined(self, session_id: str, replica_id: str, error: Optional[str]) -> None:
+    def joined(self, session_id: str, replica_id: str, error: Optional[str]) -> None:
         """A member's answer to the session's join."""
-        self._seen(replica_id)
-        s = self._session
+        s = self.session
         if s is not None and s.plan.session_id == session_id:
             s.joined[replica_id] = error
 
-    def _pending_join(self, replica_id: str) -> Optional[SessionPlan]:
-        s = self._session
+    def pending_join(self, replica_id: str) -> Optional[SessionPlan]:
+        s = self.session
         if s is not None and replica_id in s.member_ids and replica_id not in s.joined:
             return s.plan_for(replica_id)
         return None
 
-    def _end_session(self, why: str) -> None:
-        if self._session is not None:
-            logger.info("%s ended: %s", self._session.plan.session_id, why)
-            self._session = None
-            self._session_ended = why
-
-    async def shutdown_session(self, token: Optional[str]) -> None:
-        """``/shutdown_weight_transfer_engine``: the next update needs a new ``init``."""
-        await self._authorize(token)
-        self._end_session("the trainer shut the weight transfer engine down")
+    def end(self, why: str) -> None:
+        if self.session is not None:
+            logger.info("%s ended: %s", self.session.plan.session_id, why)
+            self.session = None
+            self._ended = why
 
     # ---- rounds of a session: /start_weight_update, /update_weights, /finish -----------
 
-    def _session_round_plan(self, session: Session, kind: str, version: int):
+    def _round_plan(self, session: Session, kind: str, version: int) -> SessionRound:
         info = session.plan.init_info
-        # The keeper and gloo members split the stream into the trainer's bucket size.
-        bucket = info.get("bucket_bytes") or info.get("packed_buffer_size_bytes") or self.config.sync.bucket_bytes
-        return self._plan(
-            f"{kind}-{version}",
-            version,
-            session.plan.members,
-            world_size=session.plan.world_size,
-            master_address=info["master_address"],
-            master_port=info["master_port"],
-            params=(),
-            pause_mode=self.config.sync.pause_mode,
-            keeper_rank=session.keeper_rank,
-            group_name=str(info.get("group_name", "")),
-            session=session.plan.session_id,
-            bucket_bytes=int(bucket),
-        )
+        # The copy and gloo members split the stream into the trainer's bucket size.
+        bucket = info.get("bucket_bytes") or info.get("packed_buffer_size_bytes") or self.sync.bucket_bytes
+        return session.round_plan(self.rounds.fields(kind, version, session.plan.members, params=(), bucket_bytes=int(bucket)), self.sync.pause_mode)
 
-    def _current_session(self) -> Session:
-        s = self._session
+    def _current(self) -> Session:
+        s = self.session
         if s is None:
-            why = self._session_ended
+            why = self._ended
             raise SyncError(
                 "no weight transfer engine is initialised"
                 + (f" (the last session ended: {why})" if why else "")
                 + "; call /get_world_size and /init_weight_transfer_engine first"
             )
-        live = set(self._live())
+        live = set(self.rounds.live())
         gone, new = sorted(s.member_ids - live), sorted(live - s.member_ids)
         if gone or new:
-            self._end_session(f"replicas {'left: ' + str(gone) if gone else ''}{' joined: ' + str(new) if new else ''}")
-            return self._current_session()
+            self.end(f"replicas {'left: ' + str(gone) if gone else ''}{' joined: ' + str(new) if new else ''}")
+            return self._current()
         return s
 
-    async def start_update(self, token: Optional[str]) -> None:
+    def _open_update(self, session: Session) -> Optional[_Update]:
+        """The undecided round of ``session``, if one is open."""
+        u = self._update
+        if u is None or u.rnd.decided.is_set() or u.rnd.plan.session != session.plan.session_id:
+            return None
+        return u
+
+    async def start_update(self) -> None:
         """Open a round on the session's group; returns once every member has paused and
         started its update (nothing is loaded yet)."""
-        await self._authorize(token)
-        session = self._current_session()
-        if self.round is not None and not self.round.decided.is_set() and self.round.plan.session == session.plan.session_id:
-            raise SyncError(f"{self.round.plan.round_id} is already started; call /update_weights then /finish_weight_update")
-        await self._acquire_round()
-        try:
-            plan = self._session_round_plan(session, "update", self.committed_version + 1)
-            self._start_round(plan)
-        except BaseException:
-            self._round_lock.release()
-            raise
-        rnd = self.round
+        session = self._current()
+        open_ = self._open_update(session)
+        if open_ is not None:
+            raise SyncError(f"{open_.rnd.round_id} is already started; call /update_weights then /finish_weight_update")
+        async with self.rounds.opening():
+            plan = self._round_plan(session, "update", self.store.version + 1)
+            self._update = update = _Update(self.rounds.open(plan))
+        rnd = update.rnd
         logger.info("opened %s in %s: %d replicas", plan.round_id, session.plan.session_id, len(plan.members))
-        await self._wait_round(rnd, lambda: session.member_ids <= set(rnd.started), "start")
+        await _wait_round(rnd, lambda: session.member_ids <= set(update.started), "start")
 
-    async def started(self, round_id: str, replica_id: str, error: Optional[str]) -> None:
+    def started(self, round_id: str, replica_id: str, error: Optional[str]) -> None:
         """A member paused and ran ``start_weight_update`` (or failed to)."""
-        self._seen(replica_id)
-        rnd = self.round
-        if rnd is None or rnd.plan.round_id != round_id or rnd.decided.is_set():
+        u = self._update
+        if u is None or u.rnd.round_id != round_id or u.rnd.decided.is_set():
             return
-        rnd.started[replica_id] = error
+        u.started[replica_id] = error
         if error:
-            self._close_round(rnd, f"{replica_id}: {error}", reason="replica")
+            self.rounds.close(u.rnd, f"{replica_id}: {error}", reason="replica")
 
-    async def update_info(self, round_id: str, replica_id: str) -> Optional[dict]:
+    async def update_info(self, round_id: str) -> Optional[dict]:
         """Long poll for a member: the trainer's ``/update_weights`` info, or None once
         the round is decided without it (aborted)."""
-        self._seen(replica_id)
-        rnd = self.round
-        if rnd is None or rnd.plan.round_id != round_id:
+        u = self._update
+        if u is None or u.rnd.round_id != round_id:
             return None
-        await asyncio.wait([asyncio.ensure_future(rnd.update_ready.wait()), asyncio.ensure_future(rnd.decided.wait())], return_when=asyncio.FIRST_COMPLETED)
-        return None if rnd.decided.is_set() else rnd.update_info
+        await asyncio.wait([asyncio.ensure_future(u.ready.wait()), asyncio.ensure_future(u.rnd.decided.wait())], return_when=asyncio.FIRST_COMPLETED)
+        return None if u.rnd.decided.is_set() else u.info
 
-    async def update(self, token: Optional[str], update_info: Any) -> None:
-        """Hand the trainer's update info to every member (and the keeper); returns once
+    async def update(self, update_info: Any) -> None:
+        """Hand the trainer's update info to every member (and the copy); returns once
         all received the broadcast."""
-        await self._authorize(token)
-        session = self._current_session()
-        rnd = self.round
-        if rnd is None or rnd.decided.is_set() or rnd.plan.session != session.plan.session_id:
+        session = self._current()
+        u = self._open_update(session)
+        if u is None:
             raise SyncError("no weight update is started; call /start_weight_update first")
-        if rnd.update_info is not None:
-            raise SyncError(f"{rnd.plan.round_id} already received its update; call /finish_weight_update")
+        rnd = u.rnd
+        if u.info is not None:
+            raise SyncError(f"{rnd.round_id} already received its update; call /finish_weight_update")
         specs = parse_update_info(update_info)
-        check_spec(specs, self.params)
+        check_spec(specs, self.membership.params)
         rnd.plan = dataclasses.replace(rnd.plan, params=tuple(specs))
-        rnd.update_info = dict(update_info)
-        rnd.update_ready.set()
-        if rnd.plan.keeper_rank is not None:
-            asyncio.get_running_loop().create_task(self._keep(rnd, rnd.plan.keeper_rank))
-        await self._wait_round(
-            rnd, lambda: session.member_ids <= set(rnd.reports) and (rnd.plan.keeper_rank is None or rnd.keeper_reported), "update"
-        )
+        u.info = dict(update_info)
+        u.ready.set()
+        if rnd.copy_rank is not None:
+            self.rounds.copy_receives(rnd)
+        await _wait_round(rnd, lambda: session.member_ids <= set(rnd.reports) and (rnd.copy_rank is None or rnd.copy_reported), "update")
 
-    async def finish_update(self, token: Optional[str], weight_version: Optional[str]) -> int:
+    async def finish_update(self, weight_version: Optional[str]) -> int:
         """Commit the session's round; returns the committed version once every member serves it."""
-        await self._authorize(token)
-        rnd = self.round
-        session = self._session
-        if session is None or rnd is None or rnd.decided.is_set() or rnd.plan.session != session.plan.session_id:
+        session = self.session
+        u = self._open_update(session) if session is not None else None
+        if u is None:
             raise SyncError("no weight update is in progress; call /start_weight_update and /update_weights first")
-        if rnd.update_info is None:
-            raise SyncError(f"{rnd.plan.round_id} has not received its weights; call /update_weights first")
-        rnd.version = parse_version(weight_version, self.committed_version)
-        outcome = await self._finish(rnd.plan.round_id, None)  # (authorized above)
+        rnd = u.rnd
+        if u.info is None:
+            raise SyncError(f"{rnd.round_id} has not received its weights; call /update_weights first")
+        rnd.version = parse_version(weight_version, self.store.version)
+        outcome = await self.rounds.finish(rnd.round_id, None)
         if not outcome.committed:
-            raise SyncError(f"{rnd.plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
+            raise SyncError(f"{rnd.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
         return outcome.version
 
-    async def _wait_round(self, rnd, done: Callable[[], bool], step: str) -> None:
-        """Wait for ``done`` in round ``rnd``; raise when the round ends without it."""
-        if await self._wait_until(done, max(0.0, rnd.deadline - time.monotonic()), stop=rnd.decided.is_set):
-            return
-        if rnd.decided.is_set():
-            raise SyncError(f"{rnd.plan.round_id} aborted at {step}: {rnd.outcome.error}; replicas keep version {rnd.outcome.version}")
-        raise SyncError(f"{rnd.plan.round_id}: {step} did not complete before the round's deadline")
 
-    @staticmethod
-    async def _wait_until(done: Callable[[], bool], timeout_s: float, stop: Callable[[], bool] = lambda: False) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            if stop() or time.monotonic() > deadline:
-                return done()
-            await asyncio.sleep(WAIT_POLL_S)
-        return True
+async def _wait_round(rnd: RoundState, done: Callable[[], bool], step: str) -> None:
+    """Wait for ``done`` in round ``rnd``; raise when the round ends without it."""
+    if await _wait_until(done, max(0.0, rnd.deadline - time.monotonic()), stop=rnd.decided.is_set):
+        return
+    if rnd.decided.is_set():
+        raise SyncError(f"{rnd.round_id} aborted at {step}: {rnd.outcome.error}; replicas keep version {rnd.outcome.version}")
+    raise SyncError(f"{rnd.round_id}: {step} did not complete before the round's deadline")
+
+
+async def _wait_until(done: Callable[[], bool], timeout_s: float, stop: Callable[[], bool] = lambda: False) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if stop() or time.monotonic() > deadline:
+            return done()
+        await asyncio.sleep(WAIT_POLL_S)
+    return True

@@ -1,7 +1,9 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins``): registers our backends.
+"""vLLM general plugin (entry point ``vllm.general_plugins``): registers our backends' engines.
 
-vLLM loads general plugins in every engine and worker process, so the ``gloo`` backend
-is known wherever ``WeightTransferConfig(backend="gloo")`` is resolved.
+vLLM loads general plugins in every engine and worker process, so a backend with
+weight-transfer engines of its own (``SyncBackend.worker_engine`` / ``trainer_engine``,
+e.g. ``gloo``) is known wherever ``WeightTransferConfig(backend=...)`` is resolved.
+Registration names the engine's module; vLLM imports it only when the engine is made.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ from __future__ import annotations
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    for factory, module, cls in (
-        (WeightTransferEngineFactory, "rollout.sync.backends.gloo_worker", "GlooWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "rollout.sync.backends.gloo_trainer", "GlooTrainerWeightTransferEngine"),
-    ):
-        try:
-            factory.register_engine("gloo", module, cls)
-        except ValueError:
-            # Plugins may load more than once per process: already registered is fine.
-            pass
+    from rollout.sync.backends import backend_names, get_backend
+
+    for name in backend_names():
+        backend = get_backend(name)
+        for factory, target in ((WeightTransferEngineFactory, backend.worker_engine), (WeightTransferTrainerFactory, backend.trainer_engine)):
+            if target is None:
+                continue  # vLLM's own engine of that name
+            module, cls = target.split(":")
+            try:
+                factory.register_engine(name, module, cls)
+            except ValueError:
+                # Plugins may load more than once per process: already registered is fine.
+                pass

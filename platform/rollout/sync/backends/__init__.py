@@ -1,7 +1,12 @@
 """The weight-sync backends, by name: a registry in the shape of vLLM's
 ``WeightTransferEngineFactory``. Each backend is one module (``gloo``, ``nccl``, ``ipc``)
-holding its :class:`~rollout.sync.backends.base.SyncBackend` and its trainer-side sender;
-adding one is one new file plus one entry here (or :func:`register_backend`).
+holding its :class:`~rollout.sync.backends.base.SyncBackend`, its trainer-side sender and
+what its sender offers; adding one is one new file plus one entry here (or
+:func:`register_backend`). Everything else reads what the backend declares: its init info,
+whether the coordinator keeps a copy (a ``CopySender``), its vLLM engines of its own
+(registered by :mod:`rollout.sync.vllm_plugin`), what its engine processes need. A backend
+whose replicas receive with an engine of its own adds that engine's files too (``gloo``:
+``gloo_worker`` and ``gloo_trainer``, on ``gloo_group`` and ``gloo_stream``).
 
 Backends load on first use, so config and the ingress read the names without torch.
 """

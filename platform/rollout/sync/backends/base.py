@@ -1,75 +1,199 @@
 """What every weight-sync backend provides, in the shape of vLLM's weight-transfer engines.
 
 A backend is one file in this package holding a :class:`SyncBackend` (what the
-coordinator, the replicas and the publisher need to know about it) and its trainer-side
-:class:`Sender`. The receiving side is a vLLM weight-transfer engine, vLLM's own or one
-registered through :mod:`rollout.sync.vllm_plugin`.
+coordinator, the replicas and the publisher need to know about it), its trainer-side
+:class:`Sender` (a :class:`CopySender` where the coordinator keeps a copy), and, for
+backends whose replicas pull, its :class:`TransferInfo`. The receiving side is a vLLM
+weight-transfer engine, vLLM's own or one registered through :mod:`rollout.sync.vllm_plugin`.
+
+Typed on our side, dicts only at vLLM's boundary: :meth:`SyncBackend.init_info` returns
+the receiving engine's own ``WeightTransferInitInfo`` subclass (vLLM's NCCL and IPC ones,
+our ``GlooInitInfo``), and :meth:`SyncBackend.engine_init_info` turns it into the dict that
+``init_weight_transfer_engine`` takes, as vLLM's trainer engines do.
+
+Torch-free (the config and the ingress read backend names through this package).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Optional, Protocol, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Optional, Sequence, Union
 
-from rollout.sync.protocol import Member, RoundPlan
+from rollout.sync.net import PORTS_ENV, PortRange
+from rollout.sync.protocol import Member, ParamSpec, PullRound, PushRound, SessionRound
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
+
+# The rounds whose bytes a backend moves over a transfer group (a reload moves none).
+TransferRound = Union[PushRound, PullRound, SessionRound]
 
 
-class Sender(Protocol):
+@dataclass(frozen=True)
+class TransferInfo:
+    """What a pull backend's sender offers before its round opens (see :meth:`Sender.offer`):
+    a frozen dataclass per backend whose fields are fields of the receiving engine's update
+    info. It travels in the round (``RoundRequest.transfer_info``, the plan's), pickled
+    over Serve; never over HTTP."""
+
+    def update_fields(self) -> dict[str, Any]:
+        """The fields it adds to vLLM's update info."""
+        return asdict(self)
+
+    @classmethod
+    def parse(cls, value: Union["TransferInfo", dict, None]) -> "TransferInfo":
+        """``value`` as this type (an instance, or its fields as a dict), or
+        ``InvalidRequestError`` naming the field."""
+        from rollout.errors import InvalidRequestError
+
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError("transfer_info", f"must be the {cls.__name__} the backend's sender offers; got {type(value).__name__}")
+        names = {f.name for f in fields(cls)}
+        extra = sorted(set(value) - names)
+        if extra:
+            raise InvalidRequestError(f"transfer_info.{extra[0]}", f"not a field of {cls.__name__} (fields: {', '.join(sorted(names))})")
+        try:
+            return cls(**value)
+        except TypeError as e:
+            missing = sorted(names - set(value))
+            raise InvalidRequestError(f"transfer_info.{missing[0]}" if missing else "transfer_info", str(e)) from None
+
+
+class CopyOffer(NamedTuple):
+    """Where the coordinator's copy of the next round goes: the group of two (the
+    publisher at its advertised address and ``port`` as rank 0, the copy as rank 1)."""
+
+    group_name: str
+    port: int
+
+
+class Sender(ABC):
     """The trainer's end of a backend (rank 0 of the round)."""
 
-    def offer(self, tensors: Sequence[Any]) -> Optional[dict]:
-        """Before the round opens: what replicas need to pull the weights themselves
-        (it becomes the plan's ``transfer_info``), or None when :meth:`send` pushes them."""
+    def __init__(self) -> None:
+        # Seconds per step of the last send, where a transport reports them; the publisher
+        # adds them to ``last_phases`` as ``send.<step>``. Empty where it does not.
+        self.phases: dict[str, float] = {}
 
     @property
     def group_name(self) -> Optional[str]:
         """The transfer group kept from the last round, if the transport can reuse it."""
+        return None
 
-    def send(self, plan: RoundPlan, tensors: Sequence[Any]) -> None:
+    def offer(self, tensors: Sequence[Any]) -> Optional[TransferInfo]:
+        """Before the round opens: what replicas need to pull the weights themselves
+        (it becomes the plan's ``transfer_info``), or None when :meth:`send` pushes them."""
+        return None
+
+    @abstractmethod
+    def send(self, plan: TransferRound, tensors: Sequence[Any]) -> None:
         """Deliver ``tensors`` (in ``plan.params`` order) to every rank of the round."""
 
     def close(self) -> None:
         """Release the transfer group."""
 
-    # Backends that keep a copy (``SyncBackend.keeps_copy``) also have ``copy_offer(ports, setting)``
-    # (where the coordinator's copy goes: a group name and a port of ``ports``, when set), ``send_copy(plan)``
-    # (after the commit, the round's weights to that copy) and ``drop_kept()``.
-    #
-    # Optional: ``phases``, seconds per step of the last send, where a transport reports
-    # them; the publisher adds them to ``last_phases`` as ``send.<step>``.
+
+class CopySender(Sender):
+    """The sender of a backend whose coordinator keeps a copy of the committed weights
+    (catch-up and rollback without a checkpoint): after each commit it sends that copy
+    too, off the round's critical path."""
+
+    @abstractmethod
+    def copy_offer(self, ports: Optional[PortRange] = None, setting: str = PORTS_ENV) -> CopyOffer:
+        """Before the round opens: where the coordinator's copy of it goes, its rendezvous
+        on a port of ``ports`` (the publisher's range, named by ``setting``) where set."""
+
+    @abstractmethod
+    def send_copy(self, plan: PushRound) -> None:
+        """After ``plan`` committed: its weights to the coordinator's copy (``plan.copy``)."""
+
+    @abstractmethod
+    def drop_kept(self) -> None:
+        """The round did not commit: forget what was kept for its copy."""
 
 
 class SyncBackend(ABC):
     name: ClassVar[str]
-    # Whether the coordinator keeps a copy of the committed weights (the keeper, on the
-    # coordinator's CPU), sent by the publisher after each commit. Without it, replicas
-    # can catch up only from a checkpoint the publisher named.
+    # The trainer-side end (made in the publishing process). A CopySender declares that
+    # the coordinator keeps a copy of the committed weights, sent by the publisher after
+    # each commit; without one, replicas catch up only from a checkpoint the publisher named.
+    sender_cls: ClassVar[type[Sender]]
+    # Derived from ``sender_cls``: whether the coordinator keeps that copy.
     keeps_copy: ClassVar[bool] = False
+    # What the backend's sender offers for replicas to pull from (None: it pushes).
+    transfer_info_cls: ClassVar[Optional[type[TransferInfo]]] = None
     # Environment the replicas' engine processes need (inherited by vLLM's workers).
     engine_env: ClassVar[dict[str, str]] = {}
     # Whether the transport ends a step whose peer is gone by itself (a timeout of its
     # own). Without one (NCCL), an engine call still running past the round's deadline
     # is a worker blocked for good, and the replica must be replaced.
     transport_has_deadline: ClassVar[bool] = False
+    # Whether replicas connect to a rendezvous the sender hosts (probed before joining).
+    has_rendezvous: ClassVar[bool] = True
+    # Weight-transfer engines of the backend's own, as "module:Class", registered in vLLM's
+    # factories under ``name`` in every vLLM process (rollout.sync.vllm_plugin): the worker
+    # side (what replicas receive with) and the trainer side (for trainers written for
+    # ``vllm serve``). None where vLLM's own engine of that name serves.
+    worker_engine: ClassVar[Optional[str]] = None
+    trainer_engine: ClassVar[Optional[str]] = None
 
-    @abstractmethod
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "sender_cls" in cls.__dict__:
+            cls.keeps_copy = issubclass(cls.sender_cls, CopySender)
+
     def make_sender(self) -> Sender:
         """The trainer-side end, made in the publishing process."""
+        return self.sender_cls()
+
+    def prepare_engine_process(self) -> None:
+        """Ready the replica's process for the backend's receiving engine, before vLLM
+        starts it (vLLM's engine processes inherit this process's environment)."""
+        import os
+
+        os.environ.update(self.engine_env)
+
+    def make_copy(self, model_path: str) -> Optional[Any]:
+        """The coordinator's copy of the committed weights for this backend (the store's
+        backend-specific part), or None where it keeps none."""
+        return None
 
     @abstractmethod
-    def init_info(self, plan: RoundPlan, member: Member) -> dict:
-        """``init_weight_transfer_engine``'s init info for ``member`` in ``plan``, in the
-        shape the receiving vLLM engine expects."""
+    def init_info(self, plan: TransferRound, member: Member) -> "WeightTransferInitInfo":
+        """``init_weight_transfer_engine``'s init info for ``member`` in ``plan``: the
+        receiving engine's own ``WeightTransferInitInfo`` subclass."""
 
-    def check_transfer_info(self, transfer_info: Optional[dict]) -> None:
-        """Reject what a publisher offered, naming the field, before any round opens.
-        Push backends take none."""
+    def engine_init_info(self, plan: TransferRound, member: Member) -> dict[str, Any]:
+        """:meth:`init_info` as the dict vLLM's ``WeightTransferInitRequest`` carries."""
+        return asdict(self.init_info(plan, member))
+
+    def rendezvous(self, plan: TransferRound) -> Optional[tuple[str, int]]:
+        """The ``(address, port)`` members connect to first, or None (no rendezvous)."""
+        return (plan.transfer.master_address, plan.transfer.master_port) if self.has_rendezvous else None
+
+    def update_info(self, params: Sequence[ParamSpec], offered: Union[TransferInfo, dict, None] = None) -> dict[str, Any]:
+        """vLLM's ``update_weights`` info for ``params``: the same for every backend, plus
+        what the publisher offered (pull backends)."""
+        info: dict[str, Any] = dict(names=[p.name for p in params], dtype_names=[p.dtype for p in params], shapes=[list(p.shape) for p in params])
+        typed = self.check_transfer_info(offered)
+        return {**info, **typed.update_fields()} if typed is not None else info
+
+    def check_transfer_info(self, transfer_info: Union[TransferInfo, dict, None]) -> Optional[TransferInfo]:
+        """What a publisher offered, typed; ``InvalidRequestError`` naming the field before
+        any round opens when it does not fit. Push backends take none."""
         from rollout.errors import InvalidRequestError
 
-        if transfer_info is not None:
-            raise InvalidRequestError("transfer_info", f"the {self.name!r} backend takes no transfer_info")
+        if self.transfer_info_cls is None:
+            if transfer_info is not None:
+                raise InvalidRequestError("transfer_info", f"the {self.name!r} backend takes no transfer_info")
+            return None
+        return self.transfer_info_cls.parse(transfer_info)
 
     @staticmethod
-    def group_fields(plan: RoundPlan, member: Member) -> dict:
+    def group_fields(plan: TransferRound, member: Member) -> dict[str, Any]:
         """The fields every group-forming backend's init info starts from."""
-        return dict(master_address=plan.master_address, master_port=plan.master_port, rank_offset=member.rank_offset, world_size=plan.world_size)
+        t = plan.transfer
+        return dict(master_address=t.master_address, master_port=t.master_port, rank_offset=member.rank_offset, world_size=t.world_size)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.sync import net
+from rollout.sync.protocol import PullRound, PushRound, SessionRound
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,19 @@ class Rendezvous:
     master_port: int
     world_size: int
     timeout_s: float
+
+
+def rendezvous(plan: "PushRound | PullRound | SessionRound") -> Rendezvous:
+    """Where a round's group forms (the same for the sender, the keeper and every worker)."""
+    t = plan.transfer
+    return Rendezvous(plan.group, t.master_address, t.master_port, t.world_size, plan.timeout_s)
+
+
+def copy_rendezvous(plan: PushRound) -> Rendezvous:
+    """Where the group of two forms that carries the coordinator's copy after ``plan`` commits."""
+    if plan.copy is None:
+        raise ValueError(f"{plan.round_id} sends no copy to the coordinator")
+    return Rendezvous(plan.copy.group_name, plan.transfer.master_address, plan.copy.port, 2, plan.timeout_s)
 
 
 def _pairs_hint() -> str:

@@ -18,52 +18,50 @@ from __future__ import annotations
 
 import base64
 import pickle
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
-from rollout.sync.backends.base import SyncBackend
+from rollout.sync.backends.base import Sender, SyncBackend, TransferInfo, TransferRound
 from rollout.sync.backends.cuda_device import sending_device
-from rollout.sync.protocol import Member, RoundPlan
+from rollout.sync.protocol import Member
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
 
 IPC_HANDLES = "ipc_handles_pickled"  # the field of vLLM's IPCWeightTransferUpdateInfo
+_NEEDS_HANDLES = (
+    "the 'ipc' backend needs the publisher's CUDA IPC handles (and nothing else); "
+    "publish with WeightPublisher.connect from a process on the replicas' GPU node"
+)
 
 
-class IpcBackend(SyncBackend):
-    name = "ipc"
-    # vLLM's IPC engine takes the trainer's CUDA IPC handles only as pickles.
-    engine_env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+@dataclass(frozen=True)
+class IpcTransferInfo(TransferInfo):
+    """What an ``ipc`` publisher offers: one CUDA IPC handle per parameter, in the round's
+    ``params`` order, pickled and base64-encoded (vLLM's ``ipc_handles_pickled``)."""
 
-    def make_sender(self) -> "IpcSender":
-        return IpcSender()
+    ipc_handles_pickled: str
 
-    def init_info(self, plan: RoundPlan, member: Member) -> dict:
-        # No rendezvous: every parameter has its own handle (zero-copy for the trainer).
-        return {"packed": False}
+    def __post_init__(self) -> None:
+        if not isinstance(self.ipc_handles_pickled, str) or not self.ipc_handles_pickled:
+            from rollout.errors import InvalidRequestError
 
-    def check_transfer_info(self, transfer_info: Optional[dict]) -> None:
-        """Replicas pull from the publisher's handles: required, and nothing else."""
-        from rollout.errors import InvalidRequestError
-
-        handles = (transfer_info or {}).get(IPC_HANDLES)
-        if not isinstance(handles, str) or not handles or set(transfer_info) != {IPC_HANDLES}:
-            raise InvalidRequestError(
-                f"transfer_info.{IPC_HANDLES}",
-                "the 'ipc' backend needs the publisher's CUDA IPC handles (and nothing else); "
-                "publish with WeightPublisher.connect from a process on the replicas' GPU node",
-            )
+            raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)
 
 
-class IpcSender:
-    group_name = None  # no transfer group: replicas read the handles
+class IpcSender(Sender):
+    # No transfer group (group_name stays None): replicas read the handles.
 
     def __init__(self) -> None:
+        super().__init__()
         # What the offered handles point into. reduce_tensor's handles do not keep the
         # storage alive, so these must outlive every replica's load: kept until the next
         # offer or close(), i.e. past the round's commit.
         self._shared: list[torch.Tensor] = []
 
-    def offer(self, tensors: Sequence[torch.Tensor]) -> dict:
+    def offer(self, tensors: Sequence[torch.Tensor]) -> IpcTransferInfo:
         from torch.multiprocessing.reductions import reduce_tensor
 
         # The handles name the GPU holding the tensors; it must be the replicas' GPU.
@@ -75,12 +73,36 @@ class IpcSender:
         # Replicas start reading as soon as the round opens: the trainer's pending
         # writes (the optimizer step, the copies above) must have landed.
         torch.cuda.synchronize(device)
-        return {IPC_HANDLES: base64.b64encode(pickle.dumps(handles)).decode()}
+        return IpcTransferInfo(base64.b64encode(pickle.dumps(handles)).decode())
 
-    def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
+    def send(self, plan: TransferRound, tensors: Sequence[torch.Tensor]) -> None:
         pass  # the replicas pull through the offered handles
 
     def close(self) -> None:
         self._shared = []
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # let the driver free storage no replica maps any more
+
+
+class IpcBackend(SyncBackend):
+    name = "ipc"
+    sender_cls = IpcSender
+    transfer_info_cls = IpcTransferInfo
+    has_rendezvous = False  # every parameter has its own handle (zero-copy for the trainer)
+    # vLLM's IPC engine takes the trainer's CUDA IPC handles only as pickles.
+    engine_env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+    def init_info(self, plan: TransferRound, member: Member) -> "IPCWeightTransferInitInfo":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+
+        return IPCWeightTransferInitInfo(packed=False)
+
+    def check_transfer_info(self, transfer_info: Union[TransferInfo, dict, None]) -> Optional[TransferInfo]:
+        """Replicas pull from the publisher's handles: required, and nothing else."""
+        from rollout.errors import InvalidRequestError
+
+        if isinstance(transfer_info, dict) and set(transfer_info) != {IPC_HANDLES}:
+            raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)
+        if transfer_info is None:
+            raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)
+        return super().check_transfer_info(transfer_info)

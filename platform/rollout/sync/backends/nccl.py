@@ -20,47 +20,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from rollout.sync import net
-from rollout.sync.backends.base import SyncBackend
+from rollout.sync.backends.base import Sender, SyncBackend, TransferRound
 from rollout.sync.backends.cuda_device import sending_device
-from rollout.sync.protocol import Member, RoundPlan
+from rollout.sync.protocol import Member
+
+if TYPE_CHECKING:
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
 logger = logging.getLogger(__name__)
 
 NCCL_BUFFERS = 2  # double buffering, vLLM's default for packed NCCL transfers
 
 
-class NcclBackend(SyncBackend):
-    name = "nccl"
+class NcclSender(Sender):
+    # vLLM's NCCL engine forms a new communicator at every init: nothing to reuse
+    # (group_name stays None). ``phases``: seconds per step of the last send. On two
+    # H100s the send ended 0.5 s after the replica had received everything, in every
+    # round; these say where that goes.
 
-    def make_sender(self) -> "NcclSender":
-        return NcclSender()
-
-    def init_info(self, plan: RoundPlan, member: Member) -> dict:
-        # Packed, in the trainer's bucket size: both ends must split the stream alike.
-        return {**self.group_fields(plan, member), "packed": True, "packed_buffer_size_bytes": plan.bucket_bytes, "packed_num_buffers": NCCL_BUFFERS}
-
-
-class NcclSender:
-    # vLLM's NCCL engine forms a new communicator at every init: nothing to reuse.
-    group_name = None
-
-    def __init__(self) -> None:
-        # Seconds per step of the last send. On two H100s the send ended 0.5 s after the
-        # replica had received everything, in every round; these say where that goes.
-        self.phases: dict[str, float] = {}
-
-    def close(self) -> None:
-        pass
-
-    def offer(self, tensors: Sequence[torch.Tensor]) -> None:
-        return None  # pushed by send()
-
-    def send(self, plan: RoundPlan, tensors: Sequence[torch.Tensor]) -> None:
+    def send(self, plan: TransferRound, tensors: Sequence[torch.Tensor]) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
@@ -68,13 +51,14 @@ class NcclSender:
         device = sending_device(tensors, "nccl")
         # NCCL's bootstrap must announce the address the plan advertised (the one the
         # replicas proved they reach), not the interface NCCL would pick by itself.
-        pinned = net.pin_nccl_interface(net.Choice(plan.master_address, "the address the publisher advertised"))
+        pinned = net.pin_nccl_interface(net.Choice(plan.transfer.master_address, "the address the publisher advertised"))
         if pinned:
-            logger.info("NCCL's socket interface set to %s (%s=%s), the one holding %s", pinned.lstrip("="), net.NCCL_IFNAME_ENV, pinned, plan.master_address)
+            logger.info("NCCL's socket interface set to %s (%s=%s), the one holding %s", pinned.lstrip("="), net.NCCL_IFNAME_ENV, pinned, plan.transfer.master_address)
         t0 = time.perf_counter()
         # trainer_init and the producer's buffers use the current device: make it ours.
         with torch.cuda.device(device):
-            group = trainer_init({"master_address": plan.master_address, "master_port": plan.master_port, "world_size": plan.world_size})
+            t = plan.transfer
+            group = trainer_init({"master_address": t.master_address, "master_port": t.master_port, "world_size": t.world_size})
             t1 = time.perf_counter()
             named = ((p.name, t) for p, t in zip(plan.params, tensors))
             packed_nccl_broadcast_producer(
@@ -94,3 +78,26 @@ class NcclSender:
         # complete.
         threading.Thread(target=group.destroy, name="nccl-destroy", daemon=True).start()
         self.phases = {"rendezvous": t1 - t0, "broadcast": t2 - t1, "drain": t3 - t2, "release": time.perf_counter() - t3}
+
+
+class NcclBackend(SyncBackend):
+    name = "nccl"
+    sender_cls = NcclSender
+
+    def init_info(self, plan: TransferRound, member: Member) -> "NCCLWeightTransferInitInfo":
+        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+        # Packed, in the trainer's bucket size: both ends must split the stream alike.
+        return NCCLWeightTransferInitInfo(**self.group_fields(plan, member), packed=True, packed_buffer_size_bytes=plan.bucket_bytes, packed_num_buffers=NCCL_BUFFERS)
+
+    def prepare_engine_process(self) -> None:
+        super().prepare_engine_process()
+        # vLLM's NCCL engine would otherwise announce whichever interface NCCL picks, not
+        # the node's address the trainer reaches this host by.
+        net.pin_nccl_interface(net.choose())
+
+    def engine_init_info(self, plan: TransferRound, member: Member) -> dict[str, Any]:
+        from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
+
+        # vLLM's own serialization: only the rendezvous mode in use (no unset unique id).
+        return worker_init_payload(self.init_info(plan, member))

@@ -1,0 +1,175 @@
+"""Whether a replica may serve now, and when a batch may run, by the policy version its
+weights hold.
+
+The replica reads weight sync through :class:`SyncState`: the sync agent
+(:class:`rollout.sync.agent.SyncAgent`) when sync is on, :class:`NoSync` when it is off.
+:class:`SyncGate` applies the serving rules to either, so no code path asks whether sync
+is enabled: with it off, the replica always serves version 0, is never held, and refuses
+only a request that needs a newer version.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, runtime_checkable
+
+from rollout.config import SyncConfig
+from rollout.engine.admission import Prepared
+from rollout.errors import EngineUnavailableError, InvalidRequestError, NotServingError, StaleWeightsError
+
+
+@runtime_checkable
+class SyncState(Protocol):
+    """What the replica reads from weight sync (the sync agent's surface it uses)."""
+
+    @property
+    def held(self) -> bool:
+        """Generation is paused by a trainer's ``/pause`` until its ``/resume``."""
+
+    @property
+    def broken(self) -> Optional[str]:
+        """Why this replica must not serve (it should be replaced), or None."""
+
+    @property
+    def awaiting_publish(self) -> Optional[str]:
+        """Why this replica refuses requests until the next publish, or None."""
+
+    @property
+    def version(self) -> int:
+        """The policy version its weights hold."""
+
+    @property
+    def committed(self) -> int:
+        """The newest committed version it has heard of."""
+
+    @property
+    def known_committed(self) -> Optional[int]:
+        """The committed version as far as it can vouch for it (None: it cannot)."""
+
+    def coordinator_lost_s(self) -> Optional[float]:
+        """Seconds without an answer from the coordinator, once past its bound; else None."""
+
+    def may_arrive(self, version: int) -> bool:
+        """Whether ``version`` can come without a publish that has not begun."""
+
+    async def wait_for_version(self, version: int, timeout_s: float) -> None:
+        """Return once ``version`` or newer is served; raise StaleWeightsError after ``timeout_s``."""
+
+    async def start(self) -> None:
+        """Register with the coordinator and catch up to the committed version."""
+
+    def stop(self) -> None: ...
+
+
+class NoSync:
+    """Weight sync disabled: always serving, version 0 (the weights it loaded), never held,
+    and nothing newer can come."""
+
+    held = False
+    broken: Optional[str] = None
+    awaiting_publish: Optional[str] = None
+    version = 0
+    committed = 0
+    known_committed: Optional[int] = 0
+
+    def coordinator_lost_s(self) -> Optional[float]:
+        return None  # no coordinator to lose
+
+    def may_arrive(self, version: int) -> bool:
+        return version <= self.version
+
+    async def wait_for_version(self, version: int, timeout_s: float) -> None:
+        # The gate refuses a newer version first (may_arrive); this only says so if asked.
+        if version > self.version:
+            raise StaleWeightsError(f"weight sync is disabled: version {version} never arrives; version 0 is all this platform serves")
+
+    async def start(self) -> None:
+        pass  # nothing to register with, nothing to catch up to
+
+    def stop(self) -> None:
+        pass
+
+
+# Why a request's min_weight_version is refused at once rather than held: held, it would
+# pin a connection for sync.timeout_s and then fail anyway.
+AHEAD = (
+    "{version} is ahead of the committed version {committed} and of any publish in progress; "
+    "send it once the publish of that version has begun"
+)
+DISABLED = "{version}: weight sync is disabled; version 0 is all this platform serves"
+
+
+class SyncGate:
+    """The serving rules of weight sync over a :class:`SyncState`."""
+
+    def __init__(self, sync: SyncState, rules: SyncConfig, replica_id: str, unreachable: str = AHEAD):
+        self.sync = sync
+        self.rules = rules  # read when asked: sync.timeout_s and sync.max_staleness
+        self.replica_id = replica_id
+        self._unreachable = unreachable  # why a version that cannot arrive is refused
+
+    @classmethod
+    def over(cls, sync: Optional[SyncState], rules: SyncConfig, replica_id: str) -> SyncGate:
+        """The gate over the replica's sync agent, or over :class:`NoSync` (with what it
+        says of a newer version) when there is none: the one place that asks."""
+        if sync is None:
+            return cls(NoSync(), rules, replica_id, unreachable=DISABLED)
+        return cls(sync, rules, replica_id)
+
+    @property
+    def held(self) -> bool:
+        return self.sync.held
+
+    @property
+    def version(self) -> int:
+        return self.sync.version
+
+    @property
+    def known_committed(self) -> Optional[int]:
+        return self.sync.known_committed
+
+    def raise_if_broken(self) -> None:
+        if self.sync.broken:
+            raise EngineUnavailableError(f"replica {self.replica_id}: {self.sync.broken}")
+
+    def raise_if_awaiting_publish(self) -> None:
+        """Alive but waiting for the next publish: its health check passes; its requests
+        are refused at once, retryably."""
+        if self.sync.awaiting_publish:
+            raise NotServingError(f"replica {self.replica_id}: {self.sync.awaiting_publish}")
+
+    async def admit(self, prepared: Prepared, offset: int = 0) -> None:
+        """Hold a batch until this replica serves the policy version it needs: the
+        requests' ``min_weight_version`` and, with ``sync.max_staleness``, no more than
+        that many versions behind the committed one."""
+        sync = self.sync
+        wanted = 0
+        for i, (req, _) in enumerate(prepared, start=offset):
+            if req.min_weight_version and not sync.may_arrive(req.min_weight_version):
+                raise InvalidRequestError(
+                    f"requests[{i}].min_weight_version", self._unreachable.format(version=req.min_weight_version, committed=sync.committed)
+                )
+            wanted = max(wanted, req.min_weight_version or 0)
+        lost = sync.coordinator_lost_s()
+        if lost is not None and (self.rules.max_staleness is not None or wanted > sync.version):
+            # Its staleness rule cannot be checked: a round may have committed without it.
+            raise StaleWeightsError(
+                f"replica {self.replica_id} has not reached the weight-sync coordinator for {lost:.0f}s and cannot vouch that "
+                f"version {sync.version} is recent enough ({self._version_rule(wanted)}); retry (another replica may serve it)"
+            )
+        if self.rules.max_staleness is not None:
+            wanted = max(wanted, sync.committed - self.rules.max_staleness)
+        if wanted > sync.version:
+            await sync.wait_for_version(wanted, self.rules.timeout_s)
+
+    def _version_rule(self, wanted: int) -> str:
+        if self.rules.max_staleness is not None:
+            return f"sync.max_staleness {self.rules.max_staleness}"
+        return f"min_weight_version {wanted}"
+
+    async def start(self) -> None:
+        """Registration (and catch-up) happen before the replica's constructor returns, so
+        Serve routes no request to it until it holds the committed version."""
+        await self.sync.start()
+
+    def stop(self) -> None:
+        self.sync.stop()

@@ -1,0 +1,421 @@
+"""Round execution: open a round of any kind, hand each member its plan, collect the
+reports, decide (commit or abort) by the deadline, and keep the outcomes.
+
+One round at a time (a lock held from opening a round until its decision). A round
+commits only when its sender (the trainer, or the coordinator's copy in a pull round) and
+every member report success before the deadline, and the coordinator's copy too where it
+receives in the round; otherwise it aborts and every replica keeps the committed version.
+What is committed, and what restores come from, is the store's
+(:class:`~rollout.sync.store.CommittedWeights`); parts above this one (route sessions)
+follow rounds through :class:`RoundListener`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
+
+from rollout.errors import InvalidRequestError
+from rollout.sync.backends import get_backend
+from rollout.sync.membership import Membership
+from rollout.sync.protocol import (
+    RESTORE_ROUNDS,
+    CopyGroup,
+    Member,
+    PullRound,
+    PushRound,
+    ReloadRound,
+    Round,
+    RoundOutcome,
+    RoundRequest,
+    SessionRound,
+    SyncError,
+    Transfer,
+)
+from rollout.sync.rules import assign_ranks, check_spec
+from rollout.sync.store import CommittedWeights
+
+HISTORY = 20  # round outcomes kept for status()
+
+if TYPE_CHECKING:
+    from rollout.config import SyncConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundState:
+    """A round from its opening to its decision, and until its members serve the outcome."""
+
+    plan: Round  # a session round's gains its params at /update_weights
+    deadline: float
+    opened_at: float = field(default_factory=time.monotonic)
+    reports: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
+    unreachable: str = ""  # "address:port" of the rendezvous a member could not reach
+    # The coordinator's copy receives in the round as this rank (None: it takes no part).
+    copy_rank: Optional[int] = None
+    copy_reported: bool = False
+    copy_error: Optional[str] = None
+    # The sender: the trainer, or the coordinator's copy in a pull round; a reload round has none.
+    sender_done: bool = False
+    sender_error: Optional[str] = None
+    decided: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: Optional[RoundOutcome] = None
+    applied: set[str] = field(default_factory=set)  # members serving the decided version again
+    all_applied: asyncio.Event = field(default_factory=asyncio.Event)
+    version: int = 0  # committed on success: the plan's, or the one /finish_weight_update names
+    # Per-member bookkeeping kept as the calls arrive, so that each poll, report and
+    # "applied" costs the same at 1,000 members as at 10 (scanning the members on every
+    # call made a round's coordination grow with their square).
+    by_id: dict[str, Member] = field(init=False)
+    member_ids: frozenset[str] = field(init=False)
+    missing: set[str] = field(init=False)  # members that have not reported
+    failed: set[str] = field(init=False)  # replicas whose report is an error
+    applied_members: int = 0
+
+    def __post_init__(self) -> None:
+        self.version = self.version or self.plan.version
+        self.by_id = {m.replica_id: m for m in self.plan.members}
+        self.member_ids = frozenset(self.by_id)
+        self.missing = set(self.member_ids)
+        self.failed = set()
+
+    @property
+    def round_id(self) -> str:
+        return self.plan.round_id
+
+    def record_report(self, replica_id: str, error: Optional[str]) -> None:
+        self.reports[replica_id] = error
+        self.missing.discard(replica_id)
+        (self.failed.add if error else self.failed.discard)(replica_id)
+
+    def record_applied(self, replica_id: str) -> None:
+        if replica_id in self.member_ids and replica_id not in self.applied:
+            self.applied_members += 1
+        self.applied.add(replica_id)
+        if self.applied_members == len(self.member_ids):
+            self.all_applied.set()
+
+    def plan_for(self, replica_id: str) -> Round:
+        """The plan as one member receives it: only its own entry of ``members`` (its rank
+        offset; the world size says the rest). The whole list to every member would make
+        the bytes a round sends grow with the square of the members."""
+        return dataclasses.replace(self.plan, members=(self.by_id[replica_id],)) if len(self.plan.members) > 1 else self.plan
+
+    def complete(self) -> bool:
+        """Every participant reported (or one failed): the round can be decided."""
+        if self.sender_error or self.copy_error or self.failed:
+            return True
+        return self.sender_done and not self.missing and (self.copy_rank is None or self.copy_reported)
+
+
+@dataclass(frozen=True)
+class _KeptGroup:
+    """A transfer group every participant of a committed publish round still holds."""
+
+    transfer: Transfer  # named
+    layout: tuple  # (members, world_size, keeper_rank): reusable only for the same ranks
+
+    @classmethod
+    def of(cls, plan: PushRound) -> "_KeptGroup":
+        return cls(dataclasses.replace(plan.transfer, group_name=plan.group), (plan.members, plan.world_size, plan.keeper_rank))
+
+
+class RoundListener(Protocol):
+    """A part above round execution that follows its rounds (route sessions)."""
+
+    def opening(self, plan: Round) -> None:
+        """``plan`` opens (its members are about to be woken)."""
+
+    def decided(self, rnd: RoundState) -> None:
+        """``rnd`` was decided (``rnd.outcome``)."""
+
+
+class Rounds:
+    def __init__(self, sync: SyncConfig, backend: str, membership: Membership, store: CommittedWeights, metrics: Any = None):
+        self.sync = sync
+        self.backend = backend
+        self.membership = membership
+        self.store = store
+        self.metrics = metrics
+        self.current: Optional[RoundState] = None
+        self.last_outcome: Optional[RoundOutcome] = None
+        self.history: list[RoundOutcome] = []
+        self.listeners: list[RoundListener] = []
+        self._kept: Optional[_KeptGroup] = None  # the last committed publish round's transfer group
+        # Held from opening a round until its decision: one round at a time.
+        self._lock = asyncio.Lock()
+
+    # ---- membership as rounds see it -------------------------------------------------
+
+    def busy(self) -> frozenset[str]:
+        """Members of the undecided round: they do not poll while in it."""
+        rnd = self.current
+        return rnd.member_ids if rnd is not None and not rnd.decided.is_set() else frozenset()
+
+    def live(self) -> dict[str, int]:
+        return self.membership.live(self.busy())
+
+    def pending(self, replica_id: str) -> Optional[Round]:
+        """The plan of the undecided round ``replica_id`` is a member of and has not reported."""
+        rnd = self.current
+        if rnd is None or rnd.decided.is_set() or replica_id in rnd.reports:
+            return None
+        return rnd.plan_for(replica_id) if replica_id in rnd.member_ids else None
+
+    # ---- opening ---------------------------------------------------------------------
+
+    async def _acquire(self) -> None:
+        try:
+            await asyncio.wait_for(self._lock.acquire(), timeout=self.sync.timeout_s)
+        except asyncio.TimeoutError:
+            busy = self.current.round_id if self.current else "another round"
+            raise SyncError(f"{busy} is still in progress after {self.sync.timeout_s}s; rounds run one at a time") from None
+
+    @contextlib.asynccontextmanager
+    async def opening(self) -> AsyncIterator[None]:
+        """Take the round lock to open a round: a decision releases it, and so does a
+        failure before the round opened."""
+        await self._acquire()
+        try:
+            yield
+        except BaseException:
+            self._lock.release()
+            raise
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the round lock for work that opens no round (a route session's join)."""
+        await self._acquire()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def fields(self, kind: str, version: int, members: tuple[Member, ...], **overrides: Any) -> dict[str, Any]:
+        """The fields every kind of round shares: the one place a round's id is made."""
+        return dict(
+            round_id=f"{kind}-{version}-{uuid.uuid4().hex[:8]}",
+            version=version,
+            backend=self.backend,
+            members=members,
+            params=tuple(overrides.pop("params", self.membership.params)),
+            bucket_bytes=overrides.pop("bucket_bytes", self.sync.bucket_bytes),
+            timeout_s=self.sync.timeout_s,
+            **overrides,
+        )
+
+    def open(self, plan: Round) -> RoundState:
+        """Open ``plan`` (under :meth:`opening`): wake its members, arm its deadline."""
+        for listener in self.listeners:
+            listener.opening(plan)
+        copy_rank = plan.keeper_rank if isinstance(plan, (PushRound, SessionRound)) else None
+        rnd = RoundState(plan=plan, deadline=time.monotonic() + 3 * plan.timeout_s, copy_rank=copy_rank)
+        self.current = rnd
+        self.membership.wake(m.replica_id for m in plan.members)
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._enforce_deadline(rnd))
+        if isinstance(plan, PushRound) and copy_rank is not None:
+            self.copy_receives(rnd)
+        elif isinstance(plan, ReloadRound):
+            rnd.sender_done = True  # nothing is sent: the member's report decides
+        elif isinstance(plan, PullRound):
+            self._kept = None  # the restored replica leaves the publish group for this one
+            loop.create_task(self._send_from_copy(rnd))
+        return rnd
+
+    def copy_receives(self, rnd: RoundState) -> None:
+        """The coordinator's copy receives ``rnd`` as its ``copy_rank`` (in the background)."""
+        asyncio.get_running_loop().create_task(self._copy_receive(rnd))
+
+    async def _copy_receive(self, rnd: RoundState) -> None:
+        error, unreachable = await self.store.receive(rnd.plan, rnd.copy_rank)
+        if rnd.decided.is_set():
+            self.store.discard(rnd.round_id)  # decided without it (aborted)
+            return
+        if unreachable:
+            rnd.unreachable = unreachable
+        rnd.copy_reported, rnd.copy_error = True, error
+        self._decide_if_complete(rnd)
+
+    async def _send_from_copy(self, rnd: RoundState) -> None:
+        await self.finish(rnd.round_id, await self.store.send(rnd.plan))
+
+    # ---- the kinds a caller opens here: a publish, a restore -------------------------
+
+    async def push(self, request: RoundRequest) -> PushRound:
+        """Validate a publish and open its round; no replica changes before this succeeds."""
+        if self.membership.params is None:
+            raise SyncError("no engine replica has registered yet")
+        check_spec(list(request.params), self.membership.params)
+        offered = get_backend(self.backend).check_transfer_info(request.transfer_info)  # typed by the backend
+        self.store.check_checkpoint(request.checkpoint)
+        self._check_version(request.version)
+        async with self.opening():
+            plan = self._plan_push(request, offered)
+            self.store.offered(plan.round_id, request.checkpoint)
+            self.open(plan)
+        logger.info(
+            "opened %s: version %d to %d replicas (world size %d, %s)",
+            plan.round_id, plan.version, len(plan.members), plan.world_size,
+            f"reusing group {plan.transfer.group_name}" if plan.transfer.group_name else "new group",
+        )
+        return plan
+
+    def _check_version(self, version: Optional[int]) -> None:
+        if version is not None and version <= self.store.version:
+            raise InvalidRequestError("version", f"{version} must be greater than the committed version {self.store.version}")
+
+    def _plan_push(self, request: RoundRequest, offered: Any) -> PushRound:
+        self._check_version(request.version)  # again: a round may have committed while this one waited
+        version = self.store.version + 1 if request.version is None else request.version
+        live = self.live()
+        if not live and not self.store.keeps_copy:
+            raise SyncError("no live engine replica to publish to")
+        # With no replica (scaled to zero) the round commits into the copy alone;
+        # replicas that start later catch up from it.
+        members, world_size = assign_ranks(live)
+        copy_after = self.store.copy_after(bool(live), bool(request.copy_group))
+        keeper_rank = None
+        if self.store.keeps_copy and not copy_after:
+            keeper_rank, world_size = world_size, world_size + 1
+        transfer = Transfer(request.master_address, request.master_port, world_size)
+        last = self._kept
+        if request.reuse_group is not None and last is not None and last.transfer.group_name == request.reuse_group and last.layout == (members, world_size, keeper_rank):
+            transfer = last.transfer
+        return PushRound(
+            **self.fields("round", version, members, params=request.params),  # the publisher's order: its tensors and handles follow it
+            transfer=transfer,
+            pause_mode=self.sync.pause_mode,
+            keeper_rank=keeper_rank,
+            transfer_info=offered,
+            copy=CopyGroup(request.copy_group, request.copy_port) if copy_after else None,
+        )
+
+    async def restore(self, replica_id: str) -> Union[PullRound, ReloadRound]:
+        """Open a round that brings one replica to the committed weights, from whichever
+        source the store names (see :mod:`rollout.sync.store`)."""
+        r = self.membership.registered(replica_id)
+        await self.store.ready_to_restore(replica_id)
+        async with self.opening():  # the store decides again: a round may commit while this waits
+            plan = self.store.restore_round(Member(replica_id, 1, r.ranks), self.fields)
+            self.open(plan)
+        source = plan.checkpoint if isinstance(plan, ReloadRound) else "the coordinator's copy"
+        logger.info("opened %s: version %d on %s from %s", plan.round_id, plan.version, replica_id, source)
+        return plan
+
+    # ---- reports and the decision ----------------------------------------------------
+
+    def get(self, round_id: str) -> RoundState:
+        if self.current is None or self.current.round_id != round_id:
+            raise SyncError(f"unknown round {round_id}")
+        return self.current
+
+    def past_outcome(self, round_id: str) -> Optional[RoundOutcome]:
+        """A recent round's outcome: a member that reports after the decision (its receive
+        timed out late, a new round already opened) still learns it."""
+        return next((o for o in reversed(self.history) if o.round_id == round_id), None)
+
+    async def report(self, round_id: str, replica_id: str, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
+        past = self.past_outcome(round_id)
+        if past is not None:
+            return past
+        rnd = self.get(round_id)
+        rnd.record_report(replica_id, error)
+        if error and unreachable:
+            rnd.unreachable = unreachable
+        self._decide_if_complete(rnd)
+        await rnd.decided.wait()
+        return rnd.outcome
+
+    async def finish(self, round_id: str, error: Optional[str] = None) -> RoundOutcome:
+        """The sender is done (or, with ``error``, aborts): wait for the decision and, after
+        a commit, for the members to serve it, so a publisher that returns finds every
+        replica on the new version (it never waits longer than one step deadline)."""
+        past = self.past_outcome(round_id)
+        if past is not None:
+            return past
+        rnd = self.get(round_id)
+        rnd.sender_done = True
+        rnd.sender_error = error
+        self._decide_if_complete(rnd)
+        await rnd.decided.wait()
+        if rnd.outcome.committed and rnd.plan.members:
+            try:
+                await asyncio.wait_for(rnd.all_applied.wait(), timeout=rnd.plan.timeout_s)
+            except asyncio.TimeoutError:
+                # The version stays committed (every member received it); the publisher's
+                # outcome names who does not serve it yet instead of claiming they all do.
+                rnd.outcome.unconfirmed = sorted(rnd.member_ids - rnd.applied)
+                logger.warning("%s committed; %s did not confirm serving it within %ss", round_id, rnd.outcome.unconfirmed, rnd.plan.timeout_s)
+                if self.metrics is not None:
+                    self.metrics.unconfirmed(len(rnd.outcome.unconfirmed))
+        return rnd.outcome
+
+    def applied(self, round_id: str, replica_id: str, phases: Optional[dict[str, float]]) -> None:
+        rnd = self.current
+        if rnd is not None and rnd.round_id == round_id:
+            if rnd.outcome is not None and phases:
+                rnd.outcome.phases[replica_id] = dict(phases)
+            rnd.record_applied(replica_id)
+
+    def _decide_if_complete(self, rnd: RoundState) -> None:
+        if rnd.complete():
+            self.close(rnd)
+
+    async def _enforce_deadline(self, rnd: RoundState) -> None:
+        try:
+            await asyncio.wait_for(rnd.decided.wait(), timeout=max(0.0, rnd.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            silent = [m.replica_id for m in rnd.plan.members if m.replica_id not in rnd.reports]
+            window = rnd.deadline - rnd.opened_at
+            self.close(rnd, f"deadline of {window:.0f}s passed; no report from {silent or 'the trainer'}", reason="deadline")
+
+    def close(self, rnd: RoundState, error: Optional[str] = None, reason: Optional[str] = None) -> None:
+        """Decide ``rnd``: commit it unless ``error`` or a participant's report says otherwise."""
+        if rnd.decided.is_set():
+            return
+        failed = [rid for rid, err in rnd.reports.items() if err]
+        if error is None and rnd.sender_error:
+            error, reason = f"trainer: {rnd.sender_error}", "trainer"
+        if error is None and failed:
+            error = "; ".join(f"{rid}: {rnd.reports[rid]}" for rid in failed)
+            reason = "replica"
+        if error is None and rnd.copy_error:
+            error, reason = f"the coordinator's copy: {rnd.copy_error}", "keeper"
+        committed = error is None
+        plan = rnd.plan
+        restore = isinstance(plan, RESTORE_ROUNDS)
+        if self.metrics is not None:
+            nbytes = sum(p.nbytes for p in plan.params)
+            self.metrics.round("restore" if restore else "publish", committed, time.monotonic() - rnd.opened_at, nbytes, reason)
+        self.store.decided(plan, committed, rnd.version)
+        if isinstance(plan, PushRound):
+            # Every participant keeps a committed round's group; after an abort some
+            # have dropped it, so the next round forms a new one.
+            self._kept = _KeptGroup.of(plan) if committed else None
+        elif isinstance(plan, SessionRound):
+            self._kept = None
+        rnd.outcome = RoundOutcome(plan.round_id, committed, self.store.version, error or "", failed, unreachable="" if committed else rnd.unreachable)
+        self.last_outcome = rnd.outcome
+        self.history.append(rnd.outcome)
+        del self.history[:-HISTORY]
+        rnd.decided.set()
+        self._lock.release()
+        for listener in self.listeners:
+            listener.decided(rnd)
+        log = logger.info if committed else logger.error
+        log("%s %s (committed version %d)%s", plan.round_id, "committed" if committed else "aborted", self.store.version, f": {error}" if error else "")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "round_in_progress": self.current.round_id if self.current and not self.current.decided.is_set() else None,
+            "last_outcome": vars(self.last_outcome) if self.last_outcome else None,
+            "recent_rounds": [vars(o) for o in self.history],
+        }

@@ -1,0 +1,206 @@
+"""The committed weights: which version is committed, and what holds a copy of it that a
+lagging replica can be brought back from, whichever backend moved the bytes.
+
+The one owner of restore and catch-up. A replica that starts behind the committed
+version (catch-up) or whose transfer broke off mid-way (rollback) gets, first that holds
+the committed version:
+
+* a :class:`ReloadRound`: the directory a publisher named (``RoundRequest.checkpoint``),
+  which the replica reloads itself with vLLM's ``reload_weights`` (any backend);
+* a :class:`PullRound`: the coordinator's own copy (where the backend keeps one, gloo's
+  :class:`~rollout.sync.keeper.WeightKeeper`), which the coordinator sends;
+* else :class:`NoCommittedCopyError`: the next publish brings the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Callable, Optional, Protocol, Union
+
+from rollout.errors import InvalidRequestError
+from rollout.sync import net
+from rollout.sync.backends import get_backend
+from rollout.sync.net import PortRange
+from rollout.sync.protocol import RESTORE_ROUNDS, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, Transfer
+
+logger = logging.getLogger(__name__)
+
+
+class CommittedCopy(Protocol):
+    """A backend's copy of the committed weights on the coordinator, a rank of the rounds
+    that feed it and the sender of pull rounds (gloo's: :class:`~rollout.sync.keeper.WeightKeeper`)."""
+
+    version: int  # the version it holds: 0 is the checkpoint the replicas started from
+
+    def join(self, plan: SessionRound, rank: int) -> None: ...  # a route session's group, ahead of its rounds
+
+    def receive(self, plan: Union[PushRound, SessionRound], rank: int) -> None: ...  # staged until commit/discard
+
+    def receive_copy(self, plan: PushRound) -> dict: ...  # after the commit, over plan.copy
+
+    def install(self, version: int, tensors: dict) -> None: ...
+
+    def commit(self, round_id: str, version: int) -> None: ...
+
+    def discard(self, round_id: str) -> None: ...
+
+    def send(self, plan: PullRound) -> None: ...
+
+
+def copy_for(backend: str, model_path: str) -> Optional[CommittedCopy]:
+    """The backend's copy of the committed weights, where it keeps one (the backend makes
+    it: the store knows no particular backend)."""
+    return get_backend(backend).make_copy(model_path)
+
+
+class CommittedWeights:
+    def __init__(self, backend: str, model_path: str, timeout_s: float, rendezvous_ports: Optional[PortRange]):
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.rendezvous_ports = rendezvous_ports  # where pull rounds' rendezvous listen (sync.rendezvous_ports)
+        # The committed version. A restarted coordinator starts at 0 and learns it back
+        # from the replicas (:meth:`learn`), which keep it in their engines.
+        self.version = 0
+        self.keeper: Optional[CommittedCopy] = copy_for(backend, model_path)
+        self._offered: dict[str, str] = {}  # open publish round -> the directory its publisher named
+        self._checkpoint: Optional[tuple[int, str]] = None  # (version, directory) of the last commit that named one
+        self._copy: Optional[asyncio.Task] = None  # the keeper receiving the last commit's copy
+
+    @property
+    def keeps_copy(self) -> bool:
+        return self.keeper is not None
+
+    @property
+    def copy_version(self) -> Optional[int]:
+        return self.keeper.version if self.keeper is not None else None
+
+    def learn(self, version: int) -> None:
+        """A replica serves ``version``: committed by a coordinator before this one."""
+        self.version = max(self.version, version)
+
+    # ---- publish rounds -------------------------------------------------------------
+
+    @staticmethod
+    def check_checkpoint(checkpoint: Optional[str]) -> None:
+        if checkpoint is not None and not os.path.isabs(checkpoint):
+            raise InvalidRequestError("checkpoint", f"{checkpoint!r} must be an absolute path that every replica can read")
+
+    def offered(self, round_id: str, checkpoint: Optional[str]) -> None:
+        """Publish round ``round_id``'s weights are also at ``checkpoint``: restores reload it once committed."""
+        if checkpoint is not None:
+            self._offered[round_id] = checkpoint
+
+    def copy_after(self, has_members: bool, copy_offered: bool) -> bool:
+        """Whether a publish round's copy comes after the commit, over the group of two the
+        publisher offered (its replicas then never wait for it). With no replica to send to,
+        the copy receives in the round (it commits into the copy alone)."""
+        return self.keeper is not None and copy_offered and has_members
+
+    # ---- the copy as a rank of a round ----------------------------------------------
+
+    async def join(self, plan: SessionRound, rank: int) -> None:
+        await asyncio.to_thread(self.keeper.join, plan, rank)
+
+    async def receive(self, plan: Union[PushRound, SessionRound], rank: int) -> tuple[Optional[str], str]:
+        """Receive ``plan`` as ``rank`` (staged until the decision); (error or None, the
+        unreachable "address:port" or "")."""
+        try:
+            # The copy is a rank like the replicas (the only one with none live): an
+            # unreachable publisher fails the round in seconds here too. A kept group's
+            # (and a route session's) rendezvous was reached when it formed.
+            if isinstance(plan, PushRound) and not plan.transfer.group_name:
+                await net.check_reachable(plan.master_address, plan.master_port, plan.timeout_s)
+            await asyncio.to_thread(self.keeper.receive, plan, rank)
+        except net.RendezvousUnreachable as e:
+            return f"the coordinator {e}", e.target
+        except Exception as e:
+            return f"{type(e).__name__}: {e}", ""
+        return None, ""
+
+    def discard(self, round_id: str) -> None:
+        """A receive that ended after its round was decided (aborted) without it."""
+        if self.keeper is not None:
+            self.keeper.discard(round_id)
+
+    # ---- decisions ----------------------------------------------------------------------
+
+    def decided(self, plan: Round, committed: bool, version: int) -> None:
+        """Round ``plan`` was decided: on a commit ``version`` is the committed version, and
+        whatever holds its weights (the named directory, the copy) is what restores use."""
+        checkpoint = self._offered.pop(plan.round_id, None)
+        if committed:
+            self.version = version
+        if isinstance(plan, RESTORE_ROUNDS):
+            return  # they bring back what is committed; nothing new to hold
+        if committed:
+            self._checkpoint = (version, checkpoint) if checkpoint else None
+        if self.keeper is None:
+            return
+        if committed and isinstance(plan, PushRound) and plan.copy is not None:
+            self._copy = asyncio.get_running_loop().create_task(self._receive_copy(plan, version))
+        elif committed:
+            self.keeper.commit(plan.round_id, version)
+        else:
+            self.keeper.discard(plan.round_id)
+
+    async def _receive_copy(self, plan: PushRound, version: int) -> None:
+        """The committed round's copy, sent by its publisher after the commit."""
+        try:
+            tensors = await asyncio.to_thread(self.keeper.receive_copy, plan)  # the group's timeouts bound it
+        except Exception as e:
+            logger.error(
+                "the copy of version %d did not arrive (%s: %s): the coordinator holds version %d; replicas that start "
+                "or roll back wait for the next publish", version, type(e).__name__, e, self.keeper.version,
+            )
+            return
+        self.keeper.install(version, tensors)
+
+    # ---- restore and catch-up -----------------------------------------------------------
+
+    def _committed_checkpoint(self) -> Optional[str]:
+        return self._checkpoint[1] if self._checkpoint and self._checkpoint[0] == self.version else None
+
+    async def ready_to_restore(self, replica_id: str) -> None:
+        """Wait (up to a step deadline) for the copy of the last commit, if restores need it
+        and it is on its way; :class:`NoCommittedCopyError` at once when nothing will hold
+        the committed weights (before the caller waits for the round lock)."""
+        if self._committed_checkpoint() is not None:
+            return
+        copy = self._copy
+        if copy is not None and not copy.done():
+            await asyncio.wait({copy}, timeout=self.timeout_s)
+        self._check_copy_holds_committed(replica_id)
+
+    def restore_round(self, member: Member, fields: Callable[..., dict]) -> Union[ReloadRound, PullRound]:
+        """The round that brings ``member`` to the committed weights, from the first source
+        holding them; ``fields(kind, version, members)`` are the round's shared fields."""
+        checkpoint = self._committed_checkpoint()
+        if checkpoint is not None:
+            return ReloadRound(**fields("reload", self.version, (member,)), checkpoint=checkpoint)
+        self._check_copy_holds_committed(member.replica_id)
+        port = net.free_port(self.rendezvous_ports, "sync.rendezvous_ports")
+        return PullRound(**fields("restore", self.version, (member,)), transfer=Transfer(net.own_address(), port, 1 + member.ranks))
+
+    def _check_copy_holds_committed(self, replica_id: str) -> None:
+        if self.keeper is None:
+            raise NoCommittedCopyError(
+                f"cannot restore {replica_id}: backend {self.backend!r} keeps no copy of the committed weights; "
+                "publish with checkpoint=<a directory every replica reads> so replicas can reload them"
+            )
+        if self.keeper.version != self.version:
+            # E.g. this coordinator restarted: it knows the committed version from the
+            # replicas but holds no copy of those weights until the next publish.
+            raise NoCommittedCopyError(
+                f"cannot restore {replica_id}: the coordinator's copy holds version {self.keeper.version}, "
+                f"the committed version is {self.version}; the next publish refreshes it"
+            )
+
+    async def send(self, plan: PullRound) -> Optional[str]:
+        """Send the copy in pull round ``plan`` as rank 0; the error, or None."""
+        try:
+            await asyncio.to_thread(self.keeper.send, plan)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
