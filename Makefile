@@ -27,12 +27,17 @@ $(TOOLS)/bin/checkov:
 	$(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/pip install --quiet "checkov==3.3.30"
 
+# $(call apt_install,PACKAGES): Debian's PACKAGES (as root, else through sudo), refreshing the
+# package lists only when the first try fails (a fresh image has none).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+APT_GET_INSTALL = $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
+apt_install = $(APT_GET_INSTALL) $(1) || { $(SUDO) apt-get update -q && $(APT_GET_INSTALL) $(1); }
+
 # A real Prometheus (and promtool) for the metrics tests: Debian's package, when missing.
 PROMETHEUS := $(shell command -v prometheus 2>/dev/null)
 prometheus:
 ifeq ($(PROMETHEUS),)
-	$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
-	  || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; }
+	$(call apt_install,prometheus)
 endif
 
 # bubblewrap: the python tool's sandbox (a replica refuses to start without it); libseccomp
@@ -40,8 +45,7 @@ endif
 BWRAP := $(shell command -v bwrap 2>/dev/null)
 sandbox:
 ifeq ($(BWRAP),)
-	$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap libseccomp2 \
-	  || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap libseccomp2; }
+	$(call apt_install,bubblewrap libseccomp2)
 endif
 
 # nftables: the firewalls inside the test hosts' network namespaces (tests/hosts_firewall.py,
@@ -49,8 +53,7 @@ endif
 NFT := $(shell command -v nft 2>/dev/null)
 netfilter:
 ifeq ($(NFT),)
-	$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables \
-	  || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables; }
+	$(call apt_install,nftables)
 endif
 
 tools: $(TOOLS)/bin/checkov prometheus sandbox

@@ -27,6 +27,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def answers_ok(url: str, timeout_s: float, poll_s: float, exited=lambda: False) -> bool:
+    """GET ``url`` until it answers 200 (True), or until ``timeout_s`` pass or the server
+    ``exited()`` (False): a server's readiness check, each try bounded to 2 s."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if exited():
+            return False
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    return False
+
+
 METRICS_PORT = free_port()
 
 # End-to-end modules share one app and run in this order: later ones change its state

@@ -36,9 +36,8 @@ def main() -> None:
     # (log_to_driver, left on as a trainer has it), so they go to stderr, the test's log.
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    from rollout.api import RolloutRequest, SamplingConfig
     from rollout.client import RolloutClient
-    from tests.host_trainer import load_checkpoint, weights
+    from tests.host_trainer import greedy, load_checkpoint, weights
 
     files = load_checkpoint(model_dir)
     client = RolloutClient.http(url, api_key=api_key)
@@ -69,15 +68,7 @@ def main() -> None:
         except Exception as e:
             return {"error_type": type(e).__name__, "message": str(e), "elapsed_s": time.monotonic() - t0}
 
-    def generate(cmd: dict) -> dict:
-        sampling = SamplingConfig(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
-        results = client.generate_sync([RolloutRequest(prompt_token_ids=p, sampling=sampling) for p in cmd["prompts"]])
-        return {
-            "tokens": [r.samples[0].token_ids for r in results],
-            "versions": [[[s.version, s.start, s.end] for s in r.samples[0].weight_versions] for r in results],
-        }
-
-    ops = {"connect": connect, "publish": publish, "generate": generate}
+    ops = {"connect": connect, "publish": publish, "generate": lambda cmd: greedy(client, cmd)}
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

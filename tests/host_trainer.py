@@ -40,6 +40,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 
@@ -60,6 +61,21 @@ def weights(files: dict[str, dict], seed: int) -> dict:
         return checkpoint
     g = torch.Generator().manual_seed(seed)
     return {n: t + torch.randn(t.shape, generator=g).to(t.dtype) * 0.1 if t.is_floating_point() else t for n, t in checkpoint.items()}
+
+
+def greedy(client: Any, cmd: dict) -> dict:
+    """``{"op": "generate"}`` through ``client`` (a RolloutClient over HTTP): greedy rollouts
+    of ``cmd["prompts"]``, each one's tokens, the ``[version, start, end]`` spans of the
+    versions that made them and the replica that served it."""
+    from rollout.api import RolloutRequest, SamplingConfig
+
+    sampling = SamplingConfig(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
+    results = client.generate_sync([RolloutRequest(prompt_token_ids=p, sampling=sampling) for p in cmd["prompts"]])
+    return {
+        "tokens": [r.samples[0].token_ids for r in results],
+        "versions": [[[s.version, s.start, s.end] for s in r.samples[0].weight_versions] for r in results],
+        "replicas": [r.replica_id for r in results],
+    }
 
 
 def reference(model_dir: str, seed: int, out_dir: str, prompts_json: str, max_tokens: int) -> dict:
@@ -124,7 +140,6 @@ def main() -> None:
 
     import httpx
 
-    from rollout.api import RolloutRequest, SamplingConfig
     from rollout.client import RolloutClient
     from rollout.sync import WeightPublisher, net
 
@@ -132,13 +147,7 @@ def main() -> None:
     client = RolloutClient.http(url, api_key=api_key)
 
     def generate(cmd: dict) -> dict:
-        sampling = SamplingConfig(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True)
-        results = client.generate_sync([RolloutRequest(prompt_token_ids=p, sampling=sampling) for p in cmd["prompts"]])
-        return {
-            "tokens": [r.samples[0].token_ids for r in results],
-            "versions": [[[s.version, s.start, s.end] for s in r.samples[0].weight_versions] for r in results],
-            "replicas": [r.replica_id for r in results],
-        }
+        return greedy(client, cmd)
 
     def wait(cmd: dict) -> dict:
         t0 = time.monotonic()

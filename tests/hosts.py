@@ -68,6 +68,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from rollout.processes import end
+
 ROOT = Path(__file__).resolve().parents[1]
 # sync.poll_s and sync.silent_polls of every test platform (these hosts' and
 # tests/conftest.py's): a replica that stopped polling (killed, its host lost, a test's
@@ -216,13 +218,7 @@ class Logged:
         return False
 
     def stop(self, grace_s: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc, grace_s)
         self._out.close()
 
 
@@ -440,6 +436,31 @@ class Hosts:
             config[name] = {**config.get(name, {}), **section}
         return config
 
+    def api_key_file(self, api_key: str) -> Path:
+        """A file holding ``api_key``, for ``http.api_key_file``."""
+        path = self.dir / "api-key"
+        path.write_text(api_key + "\n")
+        return path
+
+    def start_platform(self, config: dict, env: dict[str, str]) -> tuple[Logged, Logged]:
+        """The Ray head on the head host, then ``rollout serve`` of ``config`` on it (``env``:
+        :meth:`cluster_env`): the two processes, not waited for beyond the head's start. A
+        head that does not start fails the test (and is stopped, as is one whose serve
+        could not be launched)."""
+        import pytest
+        import yaml
+
+        config_path = self.dir / "rollout.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        head = self.start_ray_head(env)
+        try:
+            if not head.wait_for("Ray runtime started", 120):
+                pytest.fail(f"the Ray head did not start:\n{self.logs()}")
+            return head, self.serve(config_path, env)
+        except BaseException:
+            head.stop(grace_s=30)
+            raise
+
     def replica_nodes(self, env: dict[str, str], app: str = "rollout", deployment: str = "RolloutEngine", timeout_s: float = 60) -> dict[str, str]:
         """Each running replica of ``app``'s ``deployment``: its id (a result's
         ``replica_id``) and the address of the Ray node it runs on, asked of the replica
@@ -530,6 +551,18 @@ class Hosts:
 
     def remove_files(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def greedy_rollouts(trainer: Trainer, hosts: Hosts, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Greedy rollouts of ``prompts`` from ``trainer`` over HTTP, each of ``max_tokens`` and
+    made by one version: the trainer's answer, plus ``version_set`` (the versions seen)."""
+    out = trainer.call(op="generate", prompts=prompts, max_tokens=max_tokens)
+    assert "tokens" in out, f"{out}\n{hosts.logs()}"
+    assert [len(t) for t in out["tokens"]] == [max_tokens] * len(prompts)
+    for spans in out["versions"]:
+        assert len(spans) == 1 and spans[0][1:] == [0, max_tokens], f"one version made every token: {spans}"
+    out["version_set"] = {spans[0][0] for spans in out["versions"]}
+    return out
 
 
 @contextmanager

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+
+from rollout.processes import end
+
+from tests.conftest import answers_ok
 
 
 class PrometheusServer:
@@ -32,15 +35,8 @@ class PrometheusServer:
         self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("prometheus did not become ready")
+        if not answers_ok(f"{self.url}/-/ready", timeout_s, poll_s=0.5):
+            raise RuntimeError("prometheus did not become ready")
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=10)
@@ -54,5 +50,4 @@ class PrometheusServer:
         return float(result[0]["value"][1]) if result else float("nan")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+        end(self.proc, 30)

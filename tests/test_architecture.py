@@ -96,7 +96,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "contracts",
         (
-            "rollout", "rollout.errors", "rollout.wire_errors", "rollout.api", "rollout.logs", "rollout.episodes", "rollout.batching",
+            "rollout", "rollout.errors", "rollout.wire_errors", "rollout.processes", "rollout.api", "rollout.logs", "rollout.episodes", "rollout.batching",
             "rollout.stats_summary", "rollout.readme_section", "rollout.engine", "rollout.engine.load", "rollout.sync.protocol",
             "rollout.sync.version", "rollout.sync.net", "rollout.sync.backends", "rollout.sync.backends.base",
         ),

@@ -17,6 +17,7 @@ import yaml
 
 from rollout.api import RolloutRequest, SamplingConfig
 from rollout.sync.net import free_port
+from rollout.processes import end
 
 START_TIMEOUT_S = 300
 
@@ -53,15 +54,9 @@ class Serve:
         return False
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = end(self.proc, 120)
         self._reader.join(5)
-        return self.proc.returncode
+        return code
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.lines[-n:])

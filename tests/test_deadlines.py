@@ -25,6 +25,7 @@ BOUNDED_ELSEWHERE = {
     ("sync/backends/gloo_stream.py", "in_flight[0].wait()"): "gloo collectives end at the group's timeout (Rendezvous.timeout_s)",
     ("sync/backends/gloo_stream.py", "work.wait()"): "gloo collectives end at the group's timeout (Rendezvous.timeout_s)",
     ("client/client.py", "run_coroutine_threadsafe(coro, self.loop).result()"): "the coroutine is a transport call with its own deadline (timeout_s)",
+    ("processes.py", "            proc.wait()"): "reaping after SIGKILL, which no process outlasts",
 }
 
 

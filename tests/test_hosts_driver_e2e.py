@@ -22,9 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
-from tests.hosts import HEAD_ADDRESS, HTTP_PORT, RAY_PORT, TRAINER_ADDRESS, Host, Hosts, Logged, Trainer, cmdline, made, pod_argv
+from tests.hosts import HEAD_ADDRESS, HTTP_PORT, RAY_PORT, TRAINER_ADDRESS, Host, Hosts, Logged, Trainer, cmdline, greedy_rollouts, made, pod_argv
 
 API_KEY = "hosts-key-0123456789"
 SYNC_TOKEN = "hosts-sync-token-0123456789"
@@ -59,22 +58,14 @@ def pod_env(hosts: Hosts, **extra: str) -> dict[str, str]:
 def cluster(hosts, model_dir):
     """The Ray head and ``rollout serve`` (one replica) on the head host; the platform
     starts while the first scenario runs."""
-    key_file = hosts.dir / "api-key"
-    key_file.write_text(API_KEY + "\n")
+    key_file = hosts.api_key_file(API_KEY)
     config = hosts.platform_config(model_dir, key_file, replicas=1, sync={"timeout_s": SYNC_TIMEOUT_S})
-    config_path = hosts.dir / "rollout.yaml"
-    config_path.write_text(yaml.safe_dump(config))
     env = hosts.cluster_env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
-    head = hosts.start_ray_head(env)
-    serve = None
+    head, serve = hosts.start_platform(config, env)
     try:
-        if not head.wait_for("Ray runtime started", 120):
-            pytest.fail(f"the Ray head did not start:\n{hosts.logs()}")
-        serve = hosts.serve(config_path, env)
         yield SimpleNamespace(head=head, serve=serve, env=env)
     finally:
-        if serve is not None:
-            serve.stop()
+        serve.stop()
         head.stop(grace_s=30)
 
 
@@ -106,13 +97,7 @@ def gone(host: Host, within_s: float = 15) -> bool:
 def generate(trainer: Trainer, hosts: Hosts) -> dict:
     """Greedy rollouts from the trainer pod over HTTP: their tokens and the one version that
     made each."""
-    out = trainer.call(op="generate", prompts=PROMPTS, max_tokens=N_TOKENS)
-    assert "tokens" in out, f"{out}\n{hosts.logs()}"
-    assert [len(t) for t in out["tokens"]] == [N_TOKENS] * len(PROMPTS)
-    for spans in out["versions"]:
-        assert len(spans) == 1 and spans[0][1:] == [0, N_TOKENS], f"one version made every token: {spans}"
-    out["version_set"] = {spans[0][0] for spans in out["versions"]}
-    return out
+    return greedy_rollouts(trainer, hosts, PROMPTS, N_TOKENS)
 
 
 def test_a_trainer_pod_without_ray_auth_mode_is_refused_when_it_joins(cluster, hosts):

@@ -23,10 +23,9 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from rollout.routing.affinity import _score, affinity_key
-from tests.hosts import HEAD_ADDRESS, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS, last_json, made
+from tests.hosts import HEAD_ADDRESS, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS, greedy_rollouts, last_json, made
 
 API_KEY = "hosts-key-0123456789"
 SYNC_TOKEN = "hosts-sync-token-0123456789"
@@ -52,17 +51,11 @@ def platform(hosts, model_dir):
     """The Ray head and ``rollout serve`` (two replicas) on the head host, a trainer
     process on the trainer host (it answers commands: tests/host_trainer.py) and, beside
     it, a fresh reference engine on the perturbed weights. The worker host is not up yet."""
-    key_file = hosts.dir / "api-key"
-    key_file.write_text(API_KEY + "\n")
+    key_file = hosts.api_key_file(API_KEY)
     # One request per handle call, so the router places each by its own prefix.
     config = hosts.platform_config(model_dir, key_file, replicas=2, sync={"timeout_s": SYNC_TIMEOUT_S}, deployment={"client_batch_size": 1})
-    config_path = hosts.dir / "rollout.yaml"
-    config_path.write_text(yaml.safe_dump(config))
     env = hosts.cluster_env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
-    head = hosts.start_ray_head(env)
-    if not head.wait_for("Ray runtime started", 120):
-        pytest.fail(f"the Ray head did not start:\n{hosts.logs()}")
-    serve = hosts.serve(config_path, env)
+    head, serve = hosts.start_platform(config, env)
     # The trainer loads torch and the checkpoint, and the reference engine starts, while
     # the platform does.
     trainer = hosts.trainer_process(API_KEY, model_dir, hosts.env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN))
@@ -96,13 +89,7 @@ def served():
 def generate(trainer, hosts, prompts=PROMPTS) -> dict:
     """Greedy rollouts from the trainer host: their tokens, the version that made them
     (one each) and the replica that served each."""
-    out = trainer.call(op="generate", prompts=prompts, max_tokens=N_TOKENS)
-    assert "tokens" in out, f"{out}\n{hosts.logs()}"
-    assert [len(t) for t in out["tokens"]] == [N_TOKENS] * len(prompts)
-    for spans in out["versions"]:
-        assert len(spans) == 1 and spans[0][1:] == [0, N_TOKENS], f"one version made every token: {spans}"
-    out["version_set"] = {spans[0][0] for spans in out["versions"]}
-    return out
+    return greedy_rollouts(trainer, hosts, prompts, N_TOKENS)
 
 
 def publish(trainer, hosts, seed: int, publisher_address: str | None = None) -> dict:

@@ -29,7 +29,6 @@ import sys
 import time
 
 import pytest
-import yaml
 
 from rollout.sync.net import PortRange
 from tests import hosts_firewall as fw
@@ -209,21 +208,15 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def trainer(hosts, model_dir):
-    key_file = hosts.dir / "api-key"
-    key_file.write_text(API_KEY + "\n")
+    key_file = hosts.api_key_file(API_KEY)
     config = {
         "model": {"path": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20},
         "http": {"host": "0.0.0.0", "port": HTTP_PORT, "api_key_file": str(key_file)},
         "sync": {"timeout_s": SYNC_TIMEOUT_S, "rendezvous_ports": str(KEEPER_PORTS)},
         "metrics": {"enabled": False},
     }
-    config_path = hosts.dir / "rollout.yaml"
-    config_path.write_text(yaml.safe_dump(config))
     env = hosts.cluster_env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
-    head = hosts.start_ray_head(env)
-    if not head.wait_for("Ray runtime started", 120):
-        pytest.fail(f"the Ray head did not start:\n{hosts.logs()}")
-    serve = hosts.serve(config_path, env)
+    head, serve = hosts.start_platform(config, env)
     process = hosts.trainer_process(API_KEY, model_dir, hosts.env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN, ROLLOUT_PUBLISHER_PORTS=str(PUBLISHER_PORTS)))
     try:
         if not serve.wait_for("serving ", START_TIMEOUT_S):

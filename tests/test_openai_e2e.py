@@ -11,13 +11,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from openai import AsyncOpenAI, NotFoundError
 
-from tests.conftest import API_KEY, free_port
+from rollout.processes import end
+
+from tests.conftest import API_KEY, answers_ok, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -50,22 +51,13 @@ def reference_server(platform, tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    if not answers_ok(f"{url}/health", 300, poll_s=1, exited=lambda: proc.poll() is not None):
         if proc.poll() is not None:
             raise AssertionError(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
         proc.kill()
         raise AssertionError(f"vllm serve did not start within 300 s:\n{log.read_text()[-3000:]}")
     yield url
-    proc.terminate()
-    proc.wait(timeout=60)
+    end(proc, 60)
 
 
 @pytest.fixture

@@ -67,3 +67,28 @@ def test_gpu_report_shows_where_a_check_that_failed_last_passed_before():
     assert "Newest run: 2026-11-27 10:00 UTC" in text and "Earlier: 2026-11-26 10:00 UTC" in text
     (row,) = [line for line in text.splitlines() if "TP=2" in line]
     assert "**failed**: SystemExit: 1" in row and "Last passed 2026-11-26 10:00 UTC (`old.json`): replica start 97.5 s" in row
+
+
+def _how_it_is_built() -> str:
+    text = README.read_text()
+    start = text.index("## How it is built")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_how_it_is_built_names_modules_that_exist():
+    import re
+
+    section = _how_it_is_built()
+    package = README.parent / "platform" / "rollout"
+    named = set(re.findall(r"`rollout/([\w/]+\.py)`", section)) | set(re.findall(r"\b((?:sync|engine|routing|http|client)/[\w/]+\.py)\b", section))
+    assert len(named) > 20
+    assert sorted(p for p in named if not (package / p).is_file()) == []
+
+
+def test_a_publish_is_followed_through_at_most_eight_modules():
+    import re
+
+    section = _how_it_is_built()
+    diagram = section[section.index("A publish, from the trainer's call") :].split("```")[1]
+    modules = set(re.findall(r"\b(sync/[\w/<>]+\.py)\b", diagram))
+    assert 0 < len(modules) <= 8, sorted(modules)

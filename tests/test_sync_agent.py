@@ -334,7 +334,117 @@ async def test_a_replica_that_cannot_reach_the_rendezvous_fails_the_round_in_sec
     assert await asyncio.wait_for(agent._apply(plan), 5), "nothing was loaded: consistent"
     assert time.monotonic() - t0 < 2, "the probe's window, not the round's 30 s deadline"
     assert [c[0] for c in engine.calls] == ["pause_generation", "resume_generation"], "the engine never joined, nor started loading"
-    outcome = coordinator.last_outcome
+    outcome = coordinator.rounds.last_outcome
     assert not outcome.committed and outcome.unreachable == f"127.0.0.1:{port}"
     assert f"cannot reach the transfer group's rendezvous at 127.0.0.1:{port}" in outcome.error
     assert agent.version == 0 and not agent.broken
+
+
+# ---- the publish group kept across rounds (nccl: vLLM's engine forms a communicator per init)
+
+
+def nccl_coordinator(model_dir):
+    import vllm.distributed.weight_transfer.base  # noqa: F401  (the agent's first import of vLLM must not eat a round's bounds)
+
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5, "require_token": False}}, "nccl")
+    return coordinator, checkpoint_spec(str(model_dir))
+
+
+def nccl_replica(model_dir):
+    """An nccl coordinator in-process and replica "a" (an agent over a recording engine)."""
+    coordinator, specs = nccl_coordinator(model_dir)
+    engine = RecordingEngine()
+    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
+    return coordinator, specs, engine, agent
+
+
+async def publish_round(coordinator, agent, specs, port, reuse=None, trainer_error=None, checkpoint=None, named=None):
+    """One publish round as a trainer drives it, applied by ``agent``; ``named`` makes the
+    replica see the plan naming that group whatever the coordinator named."""
+    import dataclasses
+
+    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", port, reuse_group=reuse, checkpoint=checkpoint))
+    seen = plan if named is None else dataclasses.replace(plan, transfer=dataclasses.replace(plan.transfer, group_name=named))
+    applying = asyncio.create_task(agent._apply(seen))
+    outcome = await asyncio.wait_for(coordinator.finish(None, plan.round_id, trainer_error), 30)
+    return plan, await asyncio.wait_for(applying, 30), outcome
+
+
+def inits(engine):
+    return sum(c[0] == "init_weight_transfer_engine" for c in engine.calls)
+
+
+async def test_a_publish_round_naming_the_group_the_engine_joined_last_round_skips_the_engines_init(model_dir, rendezvous):
+    coordinator, specs, engine, agent = nccl_replica(model_dir)
+    await coordinator.register("a", 1, 0, specs)
+
+    first, served, outcome = await publish_round(coordinator, agent, specs, rendezvous)
+    assert served and outcome.committed and first.transfer.group_name == "" and inits(engine) == 1
+
+    # The publisher offers the group it formed; the coordinator names it; the engine keeps it.
+    kept, served, outcome = await publish_round(coordinator, agent, specs, rendezvous, reuse=first.group)
+    assert served and outcome.committed and kept.transfer.group_name == first.group
+    assert inits(engine) == 1, "no init: vLLM's NCCL engine would form a communicator the trainer never joins"
+    assert [c[0] for c in engine.calls[-6:]] == ["pause_generation", "start_weight_update", "update_weights", "finish_weight_update", "update_weight_version", "resume_generation"]
+    assert "join" in outcome.phases["a"] and agent.version == 2
+
+    # A round over a new group (the publisher offered none, as after its close()) inits.
+    new, served, _ = await publish_round(coordinator, agent, specs, rendezvous)
+    assert served and new.transfer.group_name == "" and inits(engine) == 2
+    # A round naming a group other than the one the engine joined last inits too.
+    _, served, _ = await publish_round(coordinator, agent, specs, rendezvous, reuse=new.group, named="round-elsewhere")
+    assert served and inits(engine) == 3
+    # ... and that one is now the group the engine holds.
+    _, served, _ = await publish_round(coordinator, agent, specs, rendezvous, reuse=new.group, named="round-elsewhere")
+    assert served and inits(engine) == 3
+
+
+async def test_after_an_aborted_round_the_next_one_inits_even_where_a_plan_names_the_old_group(model_dir, rendezvous):
+    coordinator, specs, engine, agent = nccl_replica(model_dir)
+    await coordinator.register("a", 1, 0, specs)
+    first, _, _ = await publish_round(coordinator, agent, specs, rendezvous)
+
+    # The trainer's send fails in a round over the kept group: peers may be out of step.
+    _, consistent, outcome = await publish_round(coordinator, agent, specs, rendezvous, reuse=first.group, trainer_error="RuntimeError: NCCL error")
+    assert not outcome.committed and not consistent and inits(engine) == 1
+
+    # The coordinator names no kept group after an abort ...
+    after, _, _ = await publish_round(coordinator, agent, specs, rendezvous, reuse=first.group, named=first.group)
+    assert inits(engine) == 2, "the replica does not trust a plan naming a group its engine may have lost"
+    # (the round the coordinator opened named a new group: only the replica's view was forged)
+    assert after.transfer.group_name == ""
+
+
+@pytest.mark.parametrize("checkpoint", ["/shared/policy-v1", None], ids=["reload", "no-copy"])
+async def test_a_restore_makes_the_next_publish_form_a_new_group_on_both_sides(model_dir, rendezvous, checkpoint):
+    coordinator, specs, engine, agent = nccl_replica(model_dir)
+    await coordinator.register("a", 1, 0, specs)
+    first, _, _ = await publish_round(coordinator, agent, specs, rendezvous, checkpoint=checkpoint)
+
+    # E.g. its version label failed after a commit: it restores (a reload, or with no copy
+    # to restore from it waits for the next publish).
+    await agent._restore()
+    assert ("collective_rpc", "reload_weights", {"weights_path": checkpoint}) in engine.calls if checkpoint else agent.awaiting_publish
+    after, served, _ = await publish_round(coordinator, agent, specs, rendezvous, reuse=first.group)
+    assert after.transfer.group_name == "", "the coordinator forgot the group when the restore was asked for"
+    assert served and inits(engine) == 2
+
+
+async def test_a_route_sessions_join_makes_the_next_publish_form_a_new_group_on_both_sides(model_dir, rendezvous):
+    coordinator, specs, engine, agent = nccl_replica(model_dir)
+    await agent.start()
+    try:
+        plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", rendezvous))
+        assert (await asyncio.wait_for(coordinator.finish(None, plan.round_id), 5)).committed
+        # A trainer written for vllm serve joins every replica's engine to its own group.
+        await asyncio.wait_for(coordinator.open_session(None, {"master_address": "127.0.0.1", "master_port": rendezvous, "world_size": 2}), 5)
+        assert inits(engine) == 2
+        after = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", rendezvous, reuse_group=plan.group))
+        assert after.transfer.group_name == "", "the session's join took the engines: the publisher's group is gone"
+        assert (await asyncio.wait_for(coordinator.finish(None, after.round_id), 5)).committed
+        assert inits(engine) == 3
+    finally:
+        agent.stop()

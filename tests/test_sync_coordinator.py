@@ -46,7 +46,7 @@ async def received_by(c: WeightSyncCoordinator, members=("a", "b")):
 async def test_the_publisher_returns_once_every_member_serves_the_committed_version():
     c = coordinator()
     plan, finish = await received_by(c)
-    assert c.committed_version == 1 and not finish.done(), "committed, but no member serves it yet"
+    assert c.store.version == 1 and not finish.done(), "committed, but no member serves it yet"
     await c.applied(plan.round_id, "a", 1)
     await c.applied(plan.round_id, "b", 1)
     outcome = await asyncio.wait_for(finish, 1)
@@ -78,10 +78,10 @@ async def test_rounds_reuse_the_transfer_group_until_membership_changes_or_a_rou
     assert first.group == first.round_id, "the first round forms a group of its own"
     await commit(c, first)
     second = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.0.0.1", 1002, reuse_group=first.group))
-    assert (second.group, second.master_port) == (first.group, 1001), "same members: the kept group"
+    assert (second.group, second.transfer.master_port) == (first.group, 1001), "same members: the kept group"
     await commit(c, second)
     third = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.0.0.1", 1003, reuse_group="some-other-group"))
-    assert third.group == third.round_id and third.master_port == 1003, "the publisher no longer holds it"
+    assert third.group == third.round_id and third.transfer.master_port == 1003, "the publisher no longer holds it"
     await commit(c, third)
     await c.register("b", 1, 0, SPECS)
     fourth = await c.begin_round(None, RoundRequest(tuple(SPECS), "10.0.0.1", 1004, reuse_group=third.group))
@@ -99,7 +99,7 @@ async def test_an_ipc_round_carries_the_publishers_handles_to_every_member_and_k
     assert get_backend(plan.backend).update_info(plan.params, plan.transfer_info)["ipc_handles_pickled"] == handles["ipc_handles_pickled"]
     assert plan.keeper_rank is None and c.store.keeper is None
     await commit(c, plan)
-    assert c.committed_version == 1
+    assert c.store.version == 1
 
 
 @pytest.mark.parametrize(
@@ -159,7 +159,7 @@ async def test_a_committed_checkpoint_is_what_restores_reload_until_a_publish_wi
     assert (plan.round_id.split("-")[0], plan.checkpoint, plan.version, isinstance(plan, RESTORE_ROUNDS)) == ("reload", "/ckpt/v1", 1, True)
     assert [m.replica_id for m in plan.members] == ["b"]
     outcome = await c.report(plan.round_id, "b", None)  # nothing is sent: b's report decides
-    assert outcome.committed and c.committed_version == 1
+    assert outcome.committed and c.store.version == 1
     await c.applied(plan.round_id, "b", 1)
     await commit(c, await c.begin_round(None, RoundRequest(tuple(SPECS), "127.0.0.1", 2)), members=("a", "b"))
     with pytest.raises(SyncError, match="keeps no copy"):
@@ -223,7 +223,7 @@ async def test_with_a_weight_copy_the_publisher_sends_it_after_the_commit_and_a_
     sender = GlooSender()
     copy_group, copy_port = sender.copy_offer()
     plan = await c.begin_round(None, RoundRequest(specs, "127.0.0.1", _free_port(), copy_group=copy_group, copy_port=copy_port))
-    assert plan.keeper_rank is None and plan.world_size == 2 and plan.copy.group_name == copy_group, "the copy is not in the round"
+    assert plan.keeper_rank is None and plan.transfer.world_size == 2 and plan.copy.group_name == copy_group, "the copy is not in the round"
 
     received = {}
 
@@ -278,7 +278,7 @@ async def test_a_member_that_cannot_reach_the_rendezvous_aborts_the_round_at_onc
     a = await asyncio.wait_for(c.report(plan.round_id, "a", "cannot reach 10.231.2.1:4321", unreachable="10.231.2.1:4321"), 0.5)
     assert not a.committed and a.unreachable == "10.231.2.1:4321" and "a: cannot reach 10.231.2.1:4321" in a.error
     assert (await asyncio.wait_for(b, 0.5)) is a, "every member learns the one decision"
-    assert c.committed_version == 0
+    assert c.store.version == 0
     # What the publisher polls while its send waits for ranks that will never join...
     assert plan.round_id in [r["round_id"] for r in (await c.status())["recent_rounds"]]
     # ...and what it gets when it then gives up: the same outcome, naming the address.
@@ -286,7 +286,7 @@ async def test_a_member_that_cannot_reach_the_rendezvous_aborts_the_round_at_onc
     assert trainer.unreachable == "10.231.2.1:4321" and not trainer.committed
     # The next round forms a new group (the failed one's is not kept) and opens at once.
     again = await asyncio.wait_for(c.begin_round(None, RoundRequest(tuple(SPECS), "10.231.1.2", 4322, reuse_group=plan.group)), 0.5)
-    assert again.group == again.round_id and again.master_address == "10.231.1.2"
+    assert again.group == again.round_id and again.transfer.master_address == "10.231.1.2"
 
 
 async def test_a_member_failing_otherwise_leaves_no_unreachable_address_in_the_outcome():
@@ -311,7 +311,7 @@ async def test_the_coordinators_copy_cannot_reach_the_publisher_either_the_round
     assert plan.keeper_rank is not None
     await asyncio.wait_for(c.rounds.current.decided.wait(), 5)
     assert asyncio.get_running_loop().time() - t0 < 3, "decided by the probe, not the 60 s deadline"
-    outcome = c.last_outcome
+    outcome = c.rounds.last_outcome
     assert not outcome.committed and outcome.unreachable == f"127.0.0.1:{port}"
     assert f"the coordinator cannot reach the transfer group's rendezvous at 127.0.0.1:{port}" in outcome.error
 

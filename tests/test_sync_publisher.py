@@ -219,3 +219,115 @@ def test_a_coordinator_out_of_reach_mid_round_is_a_typed_error_within_the_rounds
     # The commit's bound: four steps of 0.5 s from opening, plus the margin; not 600 s.
     assert time.monotonic() - t0 < 6
     assert publisher._sender is None, "a round of unknown outcome leaves no group to reuse"
+
+
+# ---- NcclSender keeps its communicator across rounds (vLLM's NCCL pieces substituted: no GPU here)
+
+
+class FakeCommunicator:
+    """Stands in for vLLM's PyNcclCommunicator: records its rendezvous and its destroy."""
+
+    def __init__(self, info, fail=False):
+        import threading
+
+        self.info = info
+        self.fail = fail
+        self.destroyed = threading.Event()
+
+    def destroy(self):
+        self.destroyed.set()
+
+
+@pytest.fixture
+def nccl_without_cuda(monkeypatch):
+    """vLLM's trainer_init and packed producer, and torch's device calls, replaced in the
+    sender's module: what the sender forms, sends over and releases is recorded."""
+    import contextlib
+
+    import vllm.distributed.weight_transfer.nccl_common as nccl_common
+    import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
+
+    import rollout.sync.backends.nccl as nccl
+
+    record = types.SimpleNamespace(formed=[], sent=[], fail_next=False)
+
+    def trainer_init(info):
+        record.formed.append(FakeCommunicator(info, fail=record.fail_next))
+        return record.formed[-1]
+
+    def producer(iterator, group, **kwargs):
+        record.sent.append(group)
+        list(iterator)
+        if group.fail:
+            raise RuntimeError("NCCL error: remote process exited")
+
+    monkeypatch.setattr(nccl_common, "trainer_init", trainer_init)
+    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_producer", producer)
+    monkeypatch.setattr(nccl, "sending_device", lambda tensors, backend: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return record
+
+
+def nccl_plan(round_id: str, group_name: str = "", port: int = 29500, world_size: int = 2):
+    from rollout.sync.protocol import Member, ParamSpec, PushRound, Transfer
+
+    return PushRound(
+        round_id=round_id, version=1, backend="nccl", transfer=Transfer("127.0.0.1", port, world_size, group_name), members=(Member("a", 1, 1),),
+        params=(ParamSpec("w", "float32", (2,)),), bucket_bytes=1 << 16, pause_mode="keep", timeout_s=30.0,
+    )
+
+
+def test_the_nccl_sender_keeps_its_communicator_while_rounds_name_it_and_replaces_it_otherwise(nccl_without_cuda):
+    from rollout.sync.backends.nccl import NcclSender
+
+    record, w = nccl_without_cuda, [torch.zeros(2)]
+    sender = NcclSender()
+    assert sender.group_name is None, "nothing to offer before the first round"
+    sender.send(nccl_plan("round-1"), w)
+    first = record.formed[0]
+    assert sender.group_name == "round-1" and first.info == {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 2}
+    assert not first.destroyed.is_set(), "kept for the next round"
+
+    # The coordinator names it (the kept transfer, the port the first round formed it on).
+    sender.send(nccl_plan("round-2", group_name="round-1"), w)
+    assert len(record.formed) == 1 and record.sent == [first, first] and sender.group_name == "round-1"
+    assert set(sender.phases) == {"rendezvous", "broadcast", "drain"}
+
+    # A round naming a new group (membership changed, or the last round aborted): formed
+    # again, and the old one released once the send is done.
+    sender.send(nccl_plan("round-3", port=29501, world_size=3), w)
+    second = record.formed[1]
+    assert record.sent[-1] is second and sender.group_name == "round-3" and second.info["world_size"] == 3
+    assert first.destroyed.wait(5) and not second.destroyed.is_set()
+
+    # A plan naming the kept group over another rendezvous never gets it.
+    sender.send(nccl_plan("round-4", group_name="round-3", port=29502, world_size=3), w)
+    assert len(record.formed) == 3 and sender.group_name == "round-3" and record.sent[-1] is record.formed[2]
+    assert second.destroyed.wait(5)
+
+    sender.close()
+    assert record.formed[2].destroyed.is_set() and sender.group_name is None, "close() releases it"
+
+
+def test_a_failed_nccl_send_drops_its_communicator_without_destroying_it(nccl_without_cuda):
+    from rollout.sync.backends.nccl import NcclSender
+
+    record, w = nccl_without_cuda, [torch.zeros(2)]
+    sender = NcclSender()
+    sender.send(nccl_plan("round-1"), w)
+    kept = record.formed[0]
+    kept.fail = True  # a replica died mid-broadcast
+    with pytest.raises(RuntimeError, match="remote process exited"):
+        sender.send(nccl_plan("round-2", group_name="round-1"), w)
+    assert sender.group_name is None, "the next round forms a new one"
+    assert not kept.destroyed.wait(0.2), "destroying it would wait on a peer that is gone"
+    sender.send(nccl_plan("round-3"), w)
+    assert len(record.formed) == 2 and sender.group_name == "round-3"
+
+    # A new communicator that fails its first send: the clean one it replaced is released.
+    record.fail_next = True
+    with pytest.raises(RuntimeError):
+        sender.send(nccl_plan("round-4", port=29501), w)
+    assert record.formed[1].destroyed.wait(5) and not record.formed[2].destroyed.wait(0.2)
+    assert sender.group_name is None

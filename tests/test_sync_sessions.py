@@ -64,7 +64,7 @@ async def test_one_trainers_calls_drive_every_replica_and_each_gets_its_own_rank
         await asyncio.wait_for(c.update(None, UPDATE), 2)
         version = await asyncio.wait_for(c.finish_update(None, None if expected == 1 else "7"), 2)
         await asyncio.gather(*rounds)
-        assert version == expected and seen == [expected, expected] and c.committed_version == expected
+        assert version == expected and seen == [expected, expected] and c.store.version == expected
 
 
 async def test_steps_out_of_order_are_refused_and_change_nothing():
@@ -82,7 +82,7 @@ async def test_steps_out_of_order_are_refused_and_change_nothing():
         await c.update(None, UPDATE)
     with pytest.raises(SyncError, match="no weight update is in progress"):
         await c.finish_update(None, None)
-    assert c.rounds.current is None and c.committed_version == 0
+    assert c.rounds.current is None and c.store.version == 0
 
 
 async def test_a_membership_change_ends_the_session_with_a_clear_error():

@@ -231,7 +231,7 @@ model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 tensors = dict(model.named_parameters())
 specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
 plan = coord.begin_round.remote(os.environ["ROLLOUT_SYNC_TOKEN"], RoundRequest(tuple(specs), _own_address(), _free_port())).result()
-group = GlooGroup(Rendezvous(plan.round_id, plan.master_address, plan.master_port, plan.world_size, plan.timeout_s), 0)
+group = GlooGroup(Rendezvous(plan.round_id, plan.transfer.master_address, plan.transfer.master_port, plan.transfer.world_size, plan.timeout_s), 0)
 buckets = plan_buckets(plan.params, 1 << 16)
 assert plan.bucket_bytes == 1 << 16 and len(buckets) > 4, len(buckets)
 for b in buckets[: len(buckets) // 2]:

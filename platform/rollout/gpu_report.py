@@ -53,11 +53,22 @@ def _nccl(m: dict[str, Any]) -> str:
     )
 
 
-def _catch_up(m: dict[str, Any]) -> str:
-    return (
-        f"scale 1 -> 2 took {m.get('scale_s')} s; committed version {m.get('committed')}; "
-        f"{m.get('results_from_new_replica')} greedy results from the new replica, mismatches {m.get('mismatches')}"
-    )
+class _OrNone(dict):
+    """Metrics for a template: a number the check did not record reads ``None``."""
+
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+def _filled(template: str) -> Callable[[dict[str, Any]], str]:
+    """The summary of a check whose numbers go into ``template`` as they are (``{name}``)."""
+    return lambda m: template.format_map(_OrNone(m))
+
+
+_catch_up = _filled(
+    "scale 1 -> 2 took {scale_s} s; committed version {committed}; "
+    "{results_from_new_replica} greedy results from the new replica, mismatches {mismatches}"
+)
 
 
 def _ipc(m: dict[str, Any]) -> str:
@@ -67,11 +78,7 @@ def _ipc(m: dict[str, Any]) -> str:
     )
 
 
-def _tp(m: dict[str, Any]) -> str:
-    return (
-        f"replica start {m.get('replica_start_s')} s; greedy {m.get('greedy')}; gloo publish {m.get('publish_s')} s, "
-        f"then greedy {m.get('greedy_after_publish')}"
-    )
+_tp = _filled("replica start {replica_start_s} s; greedy {greedy}; gloo publish {publish_s} s, then greedy {greedy_after_publish}")
 
 
 def _killed(m: dict[str, Any]) -> str:
@@ -82,16 +89,11 @@ def _killed(m: dict[str, Any]) -> str:
     return f"every replica back on the committed version: {m.get('recovered')}, {m.get('recovery_s')} s after the kill (sync timeout {m.get('sync_timeout_s')} s); the round {decided}"
 
 
-def _routes(m: dict[str, Any]) -> str:
-    return (
-        f"/init_weight_transfer_engine (world size {m.get('world_size')} + trainer) {m.get('init_s')} s; rounds "
-        f"(/start_weight_update → /update_weights + broadcast → /finish_weight_update) {m.get('round_s')} s; "
-        f"versions {m.get('versions')}; greedy {m.get('greedy')}"
-    )
-
-
-def _openai(m: dict[str, Any]) -> str:
-    return f"model `{m.get('model')}`; greedy {m.get('greedy')}; weight-version headers {m.get('weight_version_headers')}"
+_routes = _filled(
+    "/init_weight_transfer_engine (world size {world_size} + trainer) {init_s} s; rounds "
+    "(/start_weight_update → /update_weights + broadcast → /finish_weight_update) {round_s} s; versions {versions}; greedy {greedy}"
+)
+_openai = _filled("model `{model}`; greedy {greedy}; weight-version headers {weight_version_headers}")
 
 
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.

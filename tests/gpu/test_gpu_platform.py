@@ -585,7 +585,9 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(s
             t0 = time.perf_counter()
             version = pub.publish(tensors, checkpoint=str(perturbed))
             seconds.append(round(time.perf_counter() - t0, 4))
-            phases.append({"trainer": {k: round(v, 4) for k, v in pub.last_phases.items()}, "replicas": pub.last_outcome.phases})
+            # group_kept: the round went over the group the one before formed (the
+            # trainer's send.rendezvous and each replica's join are then ~0).
+            phases.append({"group_kept": pub.last_group_kept, "trainer": {k: round(v, 4) for k, v in pub.last_phases.items()}, "replicas": pub.last_outcome.phases})
     pub.close()
     app.committed = version
     record(publish_s=seconds, publish_phases=phases, version=version)
@@ -664,6 +666,7 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(s
     assert got == want, first_mismatch(got, want)
     assert got != reference_v0, "the published weights did not change the served tokens"
     assert spans == {str(version)}, spans
+    assert [p["group_kept"] for p in phases] == [False] + [True] * (PUBLISHES - 1), "the first publish forms the NCCL group; the steady ones keep it"
 
 
 # ---- vLLM's RL routes ----------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from rollout.bench.machine import machine
 from rollout.bench.netns import Namespace, link, why_not
+from rollout.processes import end
 from rollout.modelbuild import build_model, is_built
 from rollout.stats_summary import median_interval, paired_ratios
 
@@ -68,12 +69,7 @@ class _Process:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        end(self.proc, 60)
         self._out.close()
 
 

@@ -23,11 +23,40 @@ def _x(v: float) -> str:
     return f"{v:.2f}x"
 
 
-def _ratio(p: dict[str, Any], path: str) -> str:
-    """The paired ratio, with the bootstrap interval of its median when the run has one."""
-    text = f"**{_x(p[f'{path}_vs_bare'])}**"
-    interval = (p.get("vs_bare_interval_90") or {}).get(path)
+def _bold_with_interval(ratio: float, interval: list[float] | None) -> str:
+    """A ratio in bold, with the bootstrap interval of its median when the run has one."""
+    text = f"**{_x(ratio)}**"
     return f"{text} ({interval[0]:.2f}-{interval[1]:.2f})" if interval else text
+
+
+def _ratio(p: dict[str, Any], path: str) -> str:
+    """The paired ratio of ``path`` to bare vLLM."""
+    return _bold_with_interval(p[f"{path}_vs_bare"], (p.get("vs_bare_interval_90") or {}).get(path))
+
+
+def _verdict(r: dict[str, Any], target: str) -> str:
+    """Whether the benchmark met ``target``, and its ratios when it reports them."""
+    return f"Target: {target}: **{'met' if r['target_met'] else 'not met'}**." + (f" Ratios: {r['ratios']}." if r.get("ratios") else "")
+
+
+def _named(values: dict[str, float], spec: str) -> str:
+    """``name value, ...``, each value formatted by ``spec``."""
+    return ", ".join(f"{k} {v:{spec}}" for k, v in values.items())
+
+
+def _notes(title: str, items: list[str]) -> list[str]:
+    """A titled list under a table, or nothing when it has no items."""
+    return ["", title, "", *items] if items else []
+
+
+def _table_head(*columns: str) -> list[str]:
+    """A blank line, then a markdown table's header and separator rows."""
+    return ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def _table(intro: str, columns: tuple[str, ...], rows: list[str]) -> list[str]:
+    """A benchmark's paragraph, then its table: ``columns`` over ``rows``."""
+    return [intro, *_table_head(*columns), *rows]
 
 
 def _range(values: list[float]) -> str:
@@ -50,64 +79,54 @@ def _batches(r: dict[str, Any]) -> str:
 
 
 def engine_throughput(r: dict[str, Any]) -> list[str]:
-    lines = [
+    lines = _table(
         f"**engine_throughput** ({r['max_tokens']} tokens a request, {r.get('rounds', '?')} rounds a path{_batches(r)}, "
-        f"{r.get('order', 'paths one after another')}; {_machine(r)}). Target: {r['target']}: "
-        f"**{'met' if r['target_met'] else 'not met'}**." + (f" Ratios: {r['ratios']}." if r.get("ratios") else ""),
-        "",
-        "| concurrent | bare vLLM tok/s (range) | handle tok/s (range) | HTTP tok/s (range) | handle / bare (90% interval) | HTTP / bare (90% interval) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for p in r["points"]:
-        rounds = p["rounds"]
-        lines.append(
-            f"| {p['concurrency']} | {p['bare_vllm_tokens_per_s']:,.0f} ({_range(rounds['bare'])}) | "
-            f"{p['handle_tokens_per_s']:,.0f} ({_range(rounds['handle'])}) | {p['http_tokens_per_s']:,.0f} ({_range(rounds['http'])}) | "
+        f"{r.get('order', 'paths one after another')}; {_machine(r)}). " + _verdict(r, r["target"]),
+        ("concurrent", "bare vLLM tok/s (range)", "handle tok/s (range)", "HTTP tok/s (range)", "handle / bare (90% interval)", "HTTP / bare (90% interval)"),
+        [
+            f"| {p['concurrency']} | {p['bare_vllm_tokens_per_s']:,.0f} ({_range(p['rounds']['bare'])}) | "
+            f"{p['handle_tokens_per_s']:,.0f} ({_range(p['rounds']['handle'])}) | {p['http_tokens_per_s']:,.0f} ({_range(p['rounds']['http'])}) | "
             f"{_ratio(p, 'handle')} | {_ratio(p, 'http')} |"
-        )
-    cpu = [p for p in r["points"] if p.get("cpu_s_per_round")]
-    if cpu:
-        lines += ["", "CPU seconds per round by process (medians; every process on the machine, grouped by role):", ""]
-        for p in cpu:
-            for path, roles in p["cpu_s_per_round"].items():
-                top = ", ".join(f"{role} {s:.2f}" for role, s in list(roles.items())[:6])
-                lines.append(f"- {p['concurrency']} concurrent, {path}: total {sum(roles.values()):.2f} s ({top})")
-    return lines
+            for p in r["points"]
+        ],
+    )
+    cpu = [
+        f"- {p['concurrency']} concurrent, {path}: total {sum(roles.values()):.2f} s ({_named(dict(list(roles.items())[:6]), '.2f')})"
+        for p in r["points"]
+        if p.get("cpu_s_per_round")
+        for path, roles in p["cpu_s_per_round"].items()
+    ]
+    return lines + _notes("CPU seconds per round by process (medians; every process on the machine, grouped by role):", cpu)
 
 
 def _publish_ratio(p: dict[str, Any]) -> str:
-    text = f"**{_x(p['publish_vs_engine_round'])}**"
-    interval = p.get("publish_vs_engine_round_interval_90")
-    return f"{text} ({interval[0]:.2f}-{interval[1]:.2f})" if interval else text
+    return _bold_with_interval(p["publish_vs_engine_round"], p.get("publish_vs_engine_round_interval_90"))
 
 
 def weight_sync(r: dict[str, Any]) -> list[str]:
     order = f"{r['repeats']} rounds a path, {r['order']}" if r.get("order") else f"medians of {r['repeats']} rounds"
     machine = _machine(r)
-    lines = [
+    lines = _table(
         f"**weight_sync** ({r['parameters'] / 1e6:.1f}M parameters, {r['bytes'] / 1e6:.0f} MB in {r['tensors']} tensors, "
-        f"{r['bucket_bytes'] >> 20} MiB buckets; {order}{'; ' + machine if machine else ''}). Target: {r['targets']}: "
-        f"**{'met' if r['target_met'] else 'not met'}**." + (f" Ratios: {r['ratios']}." if r.get("ratios") else ""),
-        "",
-        "| replicas | publish (range) | bare engine round (range) | floor | per-tensor | publish / bare round (90% interval) | publish / floor | per-tensor / publish |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for p in r["points"]:
-        lines.append(
+        f"{r['bucket_bytes'] >> 20} MiB buckets; {order}{'; ' + machine if machine else ''}). " + _verdict(r, r["targets"]),
+        (
+            "replicas", "publish (range)", "bare engine round (range)", "floor", "per-tensor", "publish / bare round (90% interval)", "publish / floor",
+            "per-tensor / publish",
+        ),
+        [
             f"| {p['replicas']} | {p['publish_s']:.2f} s ({_seconds_range(p['publish_rounds'])}) | "
             f"{p['engine_round_s']:.2f} s ({_seconds_range(p['engine_round_rounds'])}) | {p['floor_s']:.2f} s | {p['per_tensor_s']:.2f} s | "
             f"{_publish_ratio(p)} | {_x(p['publish_vs_floor'])} | {_x(p['per_tensor_vs_publish'])} |"
-        )
-    phases = [p for p in r["points"] if p.get("publish_phases_s")]
-    if phases:
-        lines += ["", "Steps of a round (medians, seconds):", ""]
-        for p in phases:
-            steps = ", ".join(f"{k} {v:.3f}" for k, v in p["publish_phases_s"].items())
-            lines.append(f"- {p['replicas']} replica{'s' if p['replicas'] > 1 else ''}, publish: {steps}")
-            if p.get("engine_round_phases_s"):
-                bare = ", ".join(f"{k} {v:.3f}" for k, v in p["engine_round_phases_s"].items())
-                lines.append(f"- {p['replicas']} replica{'s' if p['replicas'] > 1 else ''}, bare engine round: {bare}")
-    return lines
+            for p in r["points"]
+        ],
+    )
+    steps = []
+    for p in (p for p in r["points"] if p.get("publish_phases_s")):
+        replicas = f"- {p['replicas']} replica{'s' if p['replicas'] > 1 else ''}"
+        steps.append(f"{replicas}, publish: {_named(p['publish_phases_s'], '.3f')}")
+        if p.get("engine_round_phases_s"):
+            steps.append(f"{replicas}, bare engine round: {_named(p['engine_round_phases_s'], '.3f')}")
+    return lines + _notes("Steps of a round (medians, seconds):", steps)
 
 
 def _seconds_range(values: list[float]) -> str:
@@ -120,9 +139,7 @@ def scaling(r: dict[str, Any]) -> list[str]:
         f"**scaling**: load step to the autoscaler's decision {s['load_step_to_decision_s']:.1f} s; to the second replica "
         f"serving {s['load_step_to_second_replica_serving_s']:.1f} s, of which {s['decision_to_serving_s']:.1f} s was the new "
         "replica's own start (engine load and catch-up).",
-        "",
-        "| router | follow-up prefix-cache hit rate | best possible | tokens/s |",
-        "|---|---|---|---|",
+        *_table_head("router", "follow-up prefix-cache hit rate", "best possible", "tokens/s"),
     ]
     for policy, m in routing.items():
         lines.append(f"| {policy} | {m['follow_up_prefix_cache_hit_rate']:.3f} | {m['best_possible_hit_rate']:.3f} | {m['tokens_per_s']:,.0f} |")
@@ -142,16 +159,14 @@ def soak(r: dict[str, Any]) -> list[str]:
         f"({'; '.join(r['checks'])}). Hung calls: {r['hung']}; lost: {r['lost']}; publishes committed {r['publishes']['committed']}, "
         f"failed {r['publishes']['failed']}{_failure_kinds(r['publishes']['failures'])}; versions served that were never committed: "
         f"{len(r['uncommitted_versions_seen'])}.",
-        "",
-        "| calls | answered | typed retryable failures | other failures |",
-        "|---|---|---|---|",
+        *_table_head("calls", "answered", "typed retryable failures", "other failures"),
     ]
     for path, counts in r["calls"].items():
         ok = sum(n for k, n in counts.items() if k == "ok" or k.startswith("cancelled"))
         typed = ", ".join(f"{k} {n}" for k, n in counts.items() if k != "ok" and not k.startswith("cancelled") and not k.startswith("untyped")) or "0"
         other = sum(n for k, n in counts.items() if k.startswith("untyped"))
         lines.append(f"| {path} | {ok:,} | {typed} | {other} |")
-    lines += ["", "| fault | at | serving again after | full strength after |", "|---|---|---|---|"]
+    lines += _table_head("fault", "at", "serving again after", "full strength after")
     for f in r["faults"]:
         lines.append(f"| {f['fault']} | {f['at_s']:.0f} s | {f['serving_again_s']} s | {f['full_strength_s']} s |")
     growth = sorted(r["memory_by_role"].items(), key=lambda kv: -kv[1]["max_process_growth_mb"])[:4]
@@ -163,9 +178,7 @@ def rollout_stream(r: dict[str, Any]) -> list[str]:
     lines = [
         f"**rollout_stream** ({r['requests']} requests, max_tokens {r['max_tokens']}; one replica; {r['rounds']} rounds a path, {r['order']}): "
         f"one `generate` of all of them vs `client.stream(requests, max_in_flight={r['max_in_flight']})`. Medians (range).",
-        "",
-        "| path | first result | all results | tokens/s |",
-        "|---|---|---|---|",
+        *_table_head("path", "first result", "all results", "tokens/s"),
     ]
     for name, m in r["summary"].items():
         first, last, rate = m["first_result_s"], m["all_results_s"], m["tokens_per_s"]
@@ -192,9 +205,7 @@ def python_tool(r: dict[str, Any]) -> list[str]:
         f"{r['bubblewrap']}, isolation `{r['isolation']}`; {_machine(r)}, kernel {r['machine'].get('kernel', '?')}{_load(r)}). "
         "`bare` is the sandbox before bubblewrap (a child `python -I` with the same rlimits); `bubblewrap` is `Sandbox.run` today. "
         "Milliseconds, medians (90% interval); the overhead is paired round by round.",
-        "",
-        "| program | bare ms | bubblewrap ms | overhead ms | bubblewrap / bare |",
-        "|---|---|---|---|---|",
+        *_table_head("program", "bare ms", "bubblewrap ms", "overhead ms", "bubblewrap / bare"),
     ]
     for p in r["points"]:
         w, ratio = p["wall_ms"], p["bubblewrap_vs_bare"]
@@ -218,9 +229,7 @@ def hosts_publish(r: dict[str, Any]) -> list[str]:
         f"**hosts_publish** (`WeightPublisher.http`, {r['backend']}, into {r['replicas']} replica of the medium model, {r['bytes'] / 1e6:.0f} MB; "
         f"the trainer on the replica's host or on a host of its own ({r['links']}); {r['rounds']} rounds, {r['order']}; {_machine(r)}). "
         "Seconds, medians (90% interval); the ratio is paired round by round.",
-        "",
-        "| publish | one host s | two hosts s | two hosts / one host |",
-        "|---|---|---|---|",
+        *_table_head("publish", "one host s", "two hosts s", "two hosts / one host"),
     ]
     for key, label in (("first_s", "forms the group"), ("kept_s", "reuses the group")):
         ratio = r["two_hosts_vs_one_host"][key]
@@ -247,23 +256,24 @@ def _scaled(m: dict[str, Any], k: float) -> dict[str, Any]:
 
 def coordinator_scale(r: dict[str, Any]) -> list[str]:
     growth = ", ".join(f"{k} {v:.2f}" for k, v in r["per_replica_growth"]["coordinator_cpu_s"].items() if v is not None)
-    lines = [
+    lines = _table(
         f"**coordinator_scale** (the real weight-sync coordinator in a process of its own, driven by simulated replicas: the real "
         f"`SyncAgent` each, over a stub engine, long-polling every {r['poll_s']:g} s, and the real `WeightPublisher`; no bytes move; "
         f"{r['params']} tensors a plan, `sync.timeout_s` {r['timeout_s']:g}; {r['rounds']} rounds a population, {r['order']}; "
         f"{_machine(r)}; load average {r['load_average_1min']:.1f}). Goal: {r['goal']}: **{'met' if r['goal_met'] else 'not met'}** "
         f"(growth per replica: {growth}; 1.00 is linear). Coordination is the coordinator's CPU per round; a round's wall time "
         "also holds the simulated replicas, which share this machine's cores. Milliseconds, medians (90% interval).",
-        "",
-        "| replicas | coordinator CPU per round | round wall time | simulated replicas' CPU | sent per round | late replicas: catch-up | idle CPU | peak memory growth |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for p in r["points"]:
-        lines.append(
+        (
+            "replicas", "coordinator CPU per round", "round wall time", "simulated replicas' CPU", "sent per round", "late replicas: catch-up", "idle CPU",
+            "peak memory growth",
+        ),
+        [
             f"| {p['replicas']:,} | **{_ms(_scaled(p['coordinator_cpu_s'], 1000))}** | {_ms(_scaled(p['round_s'], 1000))} | "
             f"{_ms(_scaled(p['replicas_cpu_s'], 1000))} | {p['coordinator_sent_kb'] / 1024:.1f} MiB | "
             f"{p['late_replicas']}: {_ms(_scaled(p['catch_up_s'], 1000))} | {100 * p['idle_cpu_share']:.1f}% | {p['peak_memory_growth_mb']:.0f} MiB |"
-        )
+            for p in r["points"]
+        ],
+    )
     stalls = [(p["replicas"], p["stall"]) for p in r["points"] if p.get("stall")]
     if stalls:
         lines += [

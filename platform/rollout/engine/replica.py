@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from rollout.api import (
     EpisodeRef,
@@ -326,20 +326,18 @@ class RolloutEngine:
         if inflight.count > 0 and idle_for > self.config.deployment.stuck_timeout_s:
             raise EngineUnavailableError(f"replica {self.replica_id}: {inflight.count} requests in flight but no engine step for {idle_for:.0f}s")
 
+    # The parts __del__ ends, in this order, and how each ends.
+    _TEARDOWN: tuple[tuple[str, Callable[[Any], None]], ...] = (
+        ("_gauges_task", lambda task: task.cancel()),
+        ("rewards", lambda rewards: rewards.close()),
+        ("episodes", lambda episodes: episodes.close()),
+        ("gate", lambda gate: gate.stop()),
+        ("adapter", lambda adapter: adapter.shutdown()),
+    )
+
     def __del__(self):
         # Each part as far as the constructor got to build it.
-        task = getattr(self, "_gauges_task", None)
-        if task is not None:
-            task.cancel()
-        rewards = getattr(self, "rewards", None)
-        if rewards is not None:
-            rewards.close()
-        episodes = getattr(self, "episodes", None)
-        if episodes is not None:
-            episodes.close()
-        gate = getattr(self, "gate", None)
-        if gate is not None:
-            gate.stop()
-        adapter = getattr(self, "adapter", None)
-        if adapter is not None:
-            adapter.shutdown()
+        for name, end in self._TEARDOWN:
+            part = getattr(self, name, None)
+            if part is not None:
+                end(part)

@@ -198,28 +198,15 @@ class HttpIngress(VllmRlRoutes):
 
         return StreamingResponse(rest(), status_code=start["status"], headers=dict(start["headers"]))
 
+    # vLLM's OpenAI routes, answered by one replica's own OpenAI app: one handler, so
+    # every route gets the same key check, routing and headers.
     @app.post("/v1/completions", dependencies=[Depends(require_key)], include_in_schema=False)
-    async def openai_completions(self, request: Request):
-        return await self._forward(request)
-
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], include_in_schema=False)
-    async def openai_chat_completions(self, request: Request):
-        return await self._forward(request)
-
     @app.get("/v1/models", dependencies=[Depends(require_key)], include_in_schema=False)
-    async def openai_models(self, request: Request):
-        return await self._forward(request)
-
     @app.post("/tokenize", dependencies=[Depends(require_key)], include_in_schema=False)
-    async def openai_tokenize(self, request: Request):
-        return await self._forward(request)
-
     @app.post("/detokenize", dependencies=[Depends(require_key)], include_in_schema=False)
-    async def openai_detokenize(self, request: Request):
-        return await self._forward(request)
-
     @app.post("/inference/v1/generate", dependencies=[Depends(require_key)], include_in_schema=False)
-    async def openai_generate(self, request: Request):
+    async def openai_route(self, request: Request):
         return await self._forward(request)
 
     # ---- weight sync control plane (tensors travel over the round's transfer group) ----

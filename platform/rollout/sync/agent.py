@@ -113,6 +113,15 @@ class _Limits:
         return cls(plan.timeout_s, plan.timeout_s if has_deadline else plan.timeout_s + WEDGED_GRACE_S, has_deadline)
 
 
+@dataclass(frozen=True)
+class _Joined:
+    """A transfer group the engine joined in a publish round, with the init info it
+    joined with: what a later round must name, and match, for the engine to keep it."""
+
+    group: str
+    init_info: dict[str, Any]
+
+
 @dataclass
 class _Transferred:
     """What the transfer step left, for decide and recover."""
@@ -124,6 +133,7 @@ class _Transferred:
     unreachable: Optional[str] = None  # the rendezvous this replica could not reach
     wedged: bool = False  # an engine call is blocked for good: nothing more can run on this engine
     finishing: Optional[asyncio.Future] = None  # vLLM's finish, run while the coordinator decides
+    joined: Optional[_Joined] = None  # the publish group the engine holds after this round, if it serves it
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,13 @@ class SyncAgent:
         self._last_contact = time.monotonic()
         self._lost_logged = False
         self._incoming: Optional[Round] = None  # the round this replica is in
+        # The transfer group this replica's engine holds from the last publish round it
+        # served. Tracked here, not taken from the coordinator alone: a round that names it
+        # skips the engine's init only where this replica knows its engine still holds it
+        # (see _join_and_receive). Anything else that inits the engine or may have broken
+        # its group forgets it: any other round (failed, aborted, a restore, a route
+        # session's) and a route session's join.
+        self._engine_group: Optional[_Joined] = None
 
     @property
     def held(self) -> bool:
@@ -328,6 +345,7 @@ class SyncAgent:
 
         limit = plan.timeout_s if get_backend(plan.backend).transport_has_deadline else plan.timeout_s + WEDGED_GRACE_S
         error = None
+        self._engine_group = None  # the engine joins the trainer's group instead
         try:
             # The trainer's own init info, as it posted it (vLLM's dict), with this member's rank.
             init_info = plan.member_init_info(self.replica_id)
@@ -402,6 +420,8 @@ class SyncAgent:
         """
         limits = _Limits.of(plan)
         clock = PhaseClock()
+        # Given back below only by a publish round this replica serves.
+        kept, self._engine_group = self._engine_group, None
         async with clock("pause"):
             # Under a trainer's /pause, pause again in "keep": it aborts nothing the hold keeps
             # (requests sent meanwhile included) and still resets the prefix cache, so no KV
@@ -410,8 +430,10 @@ class SyncAgent:
             await asyncio.wait_for(pause_for_update(self.engine, mode), limits.round_s)
         consistent = False
         try:
-            moved = await self._transfer(plan, clock, limits)
+            moved = await self._transfer(plan, clock, limits, kept)
             decision = await self._decide(plan, moved, clock, limits)
+            if decision.serving:
+                self._engine_group = moved.joined
             consistent = decision.serving or await self._recover(plan, moved, decision, limits)
         finally:
             if consistent and not self.held and not self.awaiting_publish:
@@ -421,9 +443,10 @@ class SyncAgent:
         await self.coordinator.applied(plan.round_id, self.replica_id, self.version, clock.phases)
         return consistent
 
-    async def _transfer(self, plan: Round, clock: PhaseClock, limits: _Limits) -> _Transferred:
+    async def _transfer(self, plan: Round, clock: PhaseClock, limits: _Limits, kept: Optional[_Joined] = None) -> _Transferred:
         """Move the round's weights into the engine, by the kind of round; never raises
-        for a failed step (it is in the result, for the coordinator to hear)."""
+        for a failed step (it is in the result, for the coordinator to hear). ``kept``: the
+        group the engine holds from the last publish round this replica served."""
         moved = _Transferred()
         try:
             match plan:
@@ -432,7 +455,7 @@ class SyncAgent:
                 case SessionRound():
                     await self._receive_in_session(plan, moved, clock, limits)
                 case PushRound() | PullRound():
-                    await self._join_and_receive(plan, moved, clock, limits)
+                    await self._join_and_receive(plan, moved, clock, limits, kept)
                 case _:
                     raise TypeError(f"not a round: {type(plan).__name__}")
         except asyncio.TimeoutError:
@@ -463,15 +486,30 @@ class SyncAgent:
         async with clock("reload"):
             await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), limits.step_s)
 
-    async def _join_and_receive(self, plan: Union[PushRound, PullRound], moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
+    async def _join_and_receive(self, plan: Union[PushRound, PullRound], moved: _Transferred, clock: PhaseClock, limits: _Limits, kept: Optional[_Joined]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         backend = get_backend(plan.backend)
-        async with clock("join"):
+        async with clock("join"):  # ~0 where the engine keeps its group
             init_info = backend.engine_init_info(plan, plan.member(self.replica_id))
-            if not plan.transfer.group_name:  # a kept group's rendezvous was reached before
-                await check_reachable(backend.rendezvous(plan), limits.round_s)
-            await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), limits.step_s)
+            joined = _Joined(plan.group, init_info) if isinstance(plan, PushRound) else None
+            named = plan.transfer.group_name  # a kept group the coordinator names, or ""
+            if backend.engine_keeps_group and named and joined == kept:
+                # The engine holds this group from the last round this replica served: an
+                # init would form a new communicator the trainer does not join.
+                logger.info("replica %s: %s: the engine keeps transfer group %s (no init)", self.replica_id, plan.round_id, named)
+            else:
+                if backend.engine_keeps_group and named:
+                    # The coordinator's and this replica's view differ (they should not):
+                    # init as for a new group rather than trust either.
+                    held = f"it last joined {kept.group}" if kept is not None else "it holds none it can vouch for"
+                    logger.warning("replica %s: %s names kept transfer group %s, but %s: initialising", self.replica_id, plan.round_id, named, held)
+                else:
+                    logger.info("replica %s: %s: %s transfer group %s (init)", self.replica_id, plan.round_id, "kept" if named else "new", plan.group)
+                if not named:  # a kept group's rendezvous was reached before
+                    await check_reachable(backend.rendezvous(plan), limits.round_s)
+                await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), limits.step_s)
+        moved.joined = joined
         await self._start_update(moved, clock, limits)
         offered = plan.transfer_info if isinstance(plan, PushRound) else None
         await self._receive(backend.update_info(plan.params, offered), clock, limits)

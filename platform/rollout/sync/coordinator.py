@@ -57,14 +57,6 @@ class WeightSyncCoordinator:
         self.rounds = Rounds(sync, backend, self.membership, self.store, self.metrics)
         self.sessions = RouteSessions(sync, backend, self.membership, self.rounds, self.store)
 
-    @property
-    def committed_version(self) -> int:
-        return self.store.version
-
-    @property
-    def last_outcome(self) -> Optional[RoundOutcome]:
-        return self.rounds.last_outcome
-
     async def _authorize(self, token: Optional[str]) -> None:
         await self.auth.check(token)
 

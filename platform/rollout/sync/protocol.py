@@ -176,20 +176,6 @@ class _TransferRound(_RoundBase):
         """The transfer group's name: the kept one, or one named after this round."""
         return self.transfer.group_name or self.round_id
 
-    # Shorthands for the transfer's fields, for a trainer that drives a round's group
-    # itself (as the dying trainer of tests/test_weight_sync_e2e.py does).
-    @property
-    def master_address(self) -> str:
-        return self.transfer.master_address
-
-    @property
-    def master_port(self) -> int:
-        return self.transfer.master_port
-
-    @property
-    def world_size(self) -> int:
-        return self.transfer.world_size
-
     def update_info(self) -> dict:
         """vLLM's ``update_weights`` info as every backend starts it (a pull backend adds
         what its publisher offered: ``SyncBackend.update_info``)."""

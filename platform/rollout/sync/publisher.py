@@ -109,6 +109,9 @@ class WeightPublisher:
         self.last_sync_s: Optional[float] = None
         self.last_phases: dict[str, float] = {}
         self.last_outcome: Optional[RoundOutcome] = None
+        # Whether the last round went over the transfer group kept from the round before
+        # (the coordinator named it: no rendezvous, no engine init on the replicas).
+        self.last_group_kept: Optional[bool] = None
         # Kept across rounds: it holds the transfer group the next round may reuse.
         self._sender: Optional[Sender] = None
         self._backend_resolved: Optional[str] = None
@@ -210,6 +213,7 @@ class WeightPublisher:
         )
         plan = self._coordinator.begin_round(self._token, request)
         t_open = time.perf_counter()
+        self.last_group_kept = bool(plan.transfer.group_name)
         sender = self._sender
         error = _send_with_deadline(sender, plan, [tensors[p.name] for p in plan.params], _decided(self._coordinator, plan.round_id))
         if error:
@@ -220,7 +224,11 @@ class WeightPublisher:
         try:
             outcome = self._coordinator.finish(self._token, plan.round_id, error, timeout_s=_finish_bound_s(plan, error, t_sent - t_open))
         except CoordinatorUnreachableError as e:
-            self._sender = None  # whether the round committed is unknown: its group is not reused
+            # Whether the round committed is unknown: its group is not reused. After a clean
+            # send nothing is pending on it, so it is released (not after a failed one).
+            if not error:
+                sender.close()
+            self._sender = None
             raise CoordinatorUnreachableError(
                 f"{plan.round_id}: {e}{f' after the send failed ({error})' if error else ''}. The round is decided without this "
                 f"publisher: it aborts at its deadline (replicas keep the committed version) unless the finish reached the "

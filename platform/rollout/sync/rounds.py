@@ -124,7 +124,7 @@ class _KeptGroup:
 
     @classmethod
     def of(cls, plan: PushRound) -> "_KeptGroup":
-        return cls(dataclasses.replace(plan.transfer, group_name=plan.group), (plan.members, plan.world_size, plan.keeper_rank))
+        return cls(dataclasses.replace(plan.transfer, group_name=plan.group), (plan.members, plan.transfer.world_size, plan.keeper_rank))
 
 
 class RoundListener(Protocol):
@@ -193,6 +193,7 @@ class Rounds:
     async def exclusive(self) -> AsyncIterator[None]:
         """Hold the round lock for work that opens no round (a route session's join)."""
         await self._acquire()
+        self._kept = None  # a route session's join inits the replicas' engines on its own group
         try:
             yield
         finally:
@@ -221,12 +222,15 @@ class Rounds:
         self.membership.wake(m.replica_id for m in plan.members)
         loop = asyncio.get_running_loop()
         loop.create_task(self._enforce_deadline(rnd))
+        if isinstance(plan, RESTORE_ROUNDS):
+            # The restored replica forgets the publish group (it may have broken it): the
+            # next publish forms a new one.
+            self._kept = None
         if isinstance(plan, PushRound) and copy_rank is not None:
             self.copy_receives(rnd)
         elif isinstance(plan, ReloadRound):
             rnd.sender_done = True  # nothing is sent: the member's report decides
         elif isinstance(plan, PullRound):
-            self._kept = None  # the restored replica leaves the publish group for this one
             loop.create_task(self._send_from_copy(rnd))
         return rnd
 
@@ -263,7 +267,7 @@ class Rounds:
             self.open(plan)
         logger.info(
             "opened %s: version %d to %d replicas (world size %d, %s)",
-            plan.round_id, plan.version, len(plan.members), plan.world_size,
+            plan.round_id, plan.version, len(plan.members), plan.transfer.world_size,
             f"reusing group {plan.transfer.group_name}" if plan.transfer.group_name else "new group",
         )
         return plan
@@ -302,6 +306,9 @@ class Rounds:
         """Open a round that brings one replica to the committed weights, from whichever
         source the store names (see :mod:`rollout.sync.store`)."""
         r = self.membership.registered(replica_id)
+        # Asked by a replica whose round failed or that starts behind: it no longer vouches
+        # for the publish group, even where no restore round can open (no copy to restore from).
+        self._kept = None
         await self.store.ready_to_restore(replica_id)
         async with self.opening():  # the store decides again: a round may commit while this waits
             plan = self.store.restore_round(Member(replica_id, 1, r.ranks), self.fields)

@@ -111,7 +111,7 @@ class CommittedWeights:
             # unreachable publisher fails the round in seconds here too. A kept group's
             # (and a route session's) rendezvous was reached when it formed.
             if isinstance(plan, PushRound) and not plan.transfer.group_name:
-                await net.check_reachable(plan.master_address, plan.master_port, plan.timeout_s)
+                await net.check_reachable(plan.transfer.master_address, plan.transfer.master_port, plan.timeout_s)
             await asyncio.to_thread(self.keeper.receive, plan, rank)
         except net.RendezvousUnreachable as e:
             return f"the coordinator {e}", e.target

@@ -133,6 +133,13 @@ class SyncBackend(ABC):
     transport_has_deadline: ClassVar[bool] = False
     # Whether replicas connect to a rendezvous the sender hosts (probed before joining).
     has_rendezvous: ClassVar[bool] = True
+    # Whether the receiving engine holds its end of the transfer group from one round to
+    # the next, and forms a new one at every init (vLLM's NCCL engine: its communicator,
+    # overwritten there without being destroyed). A replica then skips
+    # ``init_weight_transfer_engine`` on a publish round that names the group its engine
+    # last joined (see SyncAgent). False where the engine keeps its group inside init
+    # itself (gloo's) or has none: every round inits.
+    engine_keeps_group: ClassVar[bool] = False
     # Weight-transfer engines of the backend's own, as "module:Class", registered in vLLM's
     # factories under ``name`` in every vLLM process (rollout.sync.vllm_plugin): the worker
     # side (what replicas receive with) and the trainer side (for trainers written for
