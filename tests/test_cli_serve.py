@@ -6,6 +6,7 @@ among the unit tests, before the session's cluster starts).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ START_TIMEOUT_S = 300
 class Serve:
     """``rollout serve --config PATH`` in a child process; its output collected line by line."""
 
-    def __init__(self, config: dict, tmp_path: Path):
+    def __init__(self, config: dict, tmp_path: Path, env: dict[str, str] | None = None):
         path = tmp_path / "rollout.yaml"
         path.write_text(yaml.safe_dump(config))
         self.lines: list[str] = []
@@ -34,6 +35,7 @@ class Serve:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env={**os.environ, **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -84,7 +86,9 @@ def test_rollout_serve_with_only_the_model_path_starts_and_serves(model_dir, tmp
 
 def test_rollout_serve_that_cannot_fit_exits_with_one_line_naming_the_field(model_dir, tmp_path):
     config = {"model": {"path": str(model_dir), "device": "cpu", "kv_cache_memory_bytes": 1 << 40}, "http": {"port": free_port()}}
-    serve = Serve(config, tmp_path)
+    # Serve starts a failing replica three times before it gives up; once says the same
+    # (the replica's constructor fails the same way each time) in a third of the time.
+    serve = Serve(config, tmp_path, env={"RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
     t0 = time.monotonic()
     try:
         serve.proc.wait(START_TIMEOUT_S)
