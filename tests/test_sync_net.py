@@ -196,6 +196,19 @@ def test_a_free_port_of_a_range_skips_the_ones_taken_and_says_which_setting_is_e
             s.close()
 
 
+def test_a_port_promised_to_a_rendezvous_not_listening_yet_is_not_picked_again():
+    # The publisher names its copy's port before the round and binds it after: the
+    # round's own rendezvous must not take it meanwhile (they shared one port in 1 of 10
+    # publishes over a range of ten).
+    base = net.free_port()
+    r = net.PortRange(base, base + 1)
+    assert {net.free_port(r, taken=(base,)) for _ in range(10)} == {base + 1}
+    with pytest.raises(net.NoFreePort):
+        net.free_port(r, taken=(base, base + 1))
+    promised = net.free_port()
+    assert all(net.free_port(taken=(promised,)) != promised for _ in range(20))
+
+
 def test_without_a_range_the_kernel_picks_from_its_ephemeral_range():
     ephemeral = net.ephemeral_ports()
     assert ephemeral is not None, "Linux has /proc/sys/net/ipv4/ip_local_port_range"

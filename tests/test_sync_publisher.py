@@ -162,6 +162,29 @@ def test_without_the_setting_a_publisher_names_how_it_chose_the_address(monkeypa
     assert coordinator.request.master_address == "10.231.1.2", "advertised toward the ingress's host"
 
 
+def test_the_rounds_rendezvous_never_takes_the_port_promised_to_the_coordinators_copy(monkeypatch):
+    # Both come from the publisher's range; the copy's binds only after the round. With a
+    # range of two, the copy holding one leaves the round the other, every time (in CI
+    # they once shared a port of a ten-port range).
+    import rollout.sync.publisher as publisher_module
+    from rollout.sync import net
+
+    base = net.free_port()
+    monkeypatch.setenv("ROLLOUT_PUBLISHER_ADDRESS", "127.0.0.1")
+    monkeypatch.setattr(publisher_module, "DECIDED_POLL_S", 0.1)
+    for _ in range(5):
+        sender = BlockedSender()
+        sender.copy_offer = lambda ports=None, setting=None: CopyOffer("copy-1", base)
+        monkeypatch.setattr(publisher_module, "make_sender", lambda backend: sender)
+        coordinator = AbortingCoordinator()
+        try:
+            with pytest.raises(SyncError):
+                WeightPublisher(coordinator, "auto", token=None, ports=f"{base}-{base + 1}").publish({"w": torch.zeros(2)})
+        finally:
+            sender.close()
+        assert (coordinator.request.copy_port, coordinator.request.master_port) == (base, base + 1)
+
+
 def test_an_address_that_is_not_this_hosts_is_refused_before_any_round_opens(monkeypatch):
     import rollout.sync.publisher as publisher_module
 

@@ -16,7 +16,7 @@ import random
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Collection, Iterator, Optional
 
 # Set by the operator where the choice below is wrong (e.g. a trainer with several
 # interfaces whose route to the ingress is not the one the replicas reach it by).
@@ -100,16 +100,21 @@ class NoFreePort(RuntimeError):
     """No port of a configured range could be bound on this host."""
 
 
-def free_port(ports: Optional[PortRange] = None, setting: str = PORTS_ENV) -> int:
+def free_port(ports: Optional[PortRange] = None, setting: str = PORTS_ENV, taken: Collection[int] = ()) -> int:
     """A TCP port free on this host now: one of ``ports`` (tried in random order, so
     publishers sharing a host rarely race for the same one), or the kernel's pick from
     its ephemeral range when None. ``setting`` names where ``ports`` came from, for the
-    error when every port of it is taken."""
+    error when every port of it is taken. ``taken``: ports already promised to a
+    rendezvous that does not listen yet (a round's copy, bound only after the round):
+    free now, but not for this one."""
     if ports is None:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-    candidates = list(range(ports.low, ports.high + 1))
+        while True:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            if port not in taken:
+                return port
+    candidates = [p for p in range(ports.low, ports.high + 1) if p not in taken]
     random.shuffle(candidates)
     for port in candidates:
         with socket.socket() as s:

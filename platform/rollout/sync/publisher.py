@@ -203,7 +203,8 @@ class WeightPublisher:
         request = RoundRequest(
             params=tuple(specs),
             master_address=advertised.address,
-            master_port=net.free_port(self.ports, self._ports_setting),
+            # Not the copy's port: free until the copy's rendezvous binds it after the round.
+            master_port=net.free_port(self.ports, self._ports_setting, taken=(copy.port,) if copy is not None else ()),
             version=version,
             reuse_group=self._sender.group_name,
             transfer_info=self._sender.offer(list(tensors.values())),
