@@ -59,24 +59,17 @@ class ModelConfig(_Section):
         default="auto", description="Weight and activation dtype passed to vLLM."
     )
     max_model_len: Optional[int] = Field(
-        default=None,
-        ge=16,
-        le=1_048_576,
+        default=None, ge=16, le=1_048_576,
         description="Context length (prompt + generated tokens), 16..1048576; defaults to the model's own.",
     )
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=64, description="GPUs per engine replica (tensor parallelism), 1..64."
     )
     max_num_seqs: int = Field(
-        default=256,
-        ge=1,
-        le=4096,
-        description="Most sequences one engine schedules at once, 1..4096. Replica concurrency is sized from it.",
+        default=256, ge=1, le=4096, description="Most sequences one engine schedules at once, 1..4096. Replica concurrency is sized from it."
     )
     gpu_memory_utilization: Optional[float] = Field(
-        default=None,
-        gt=0.0,
-        le=1.0,
+        default=None, gt=0.0, le=1.0,
         description=(
             "Fraction of accelerator memory (on CPU: of one NUMA node's memory, which must be free at start) vLLM may use, (0, 1]. "
             "Unset: 0.9 on GPUs; on CPU the KV cache is sized from the memory free on the replica's node (a quarter of it after the weights, "
@@ -163,15 +156,11 @@ class DeploymentConfig(_Section):
     )
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     max_ongoing_requests: Optional[int] = Field(
-        default=None,
-        ge=1,
-        le=65536,
+        default=None, ge=1, le=65536,
         description="Concurrent calls per replica, 1..65536; unset derives it from `model.max_num_seqs` (Serve's default of 5 starves an LLM engine).",
     )
     max_queued_requests: Optional[int] = Field(
-        default=None,
-        ge=1,
-        le=1_000_000,
+        default=None, ge=1, le=1_000_000,
         description="Calls that may wait at each caller (the HTTP ingress, each handle client) for a replica slot once every replica has "
         "`max_ongoing_requests`; beyond it a call is refused at once: HTTP 429 with `Retry-After`, `OverloadedError` through the handle. "
         "Unset: unbounded (Serve's default).",
@@ -302,9 +291,7 @@ class SyncConfig(_Section):
         "a replica that heard nothing from the coordinator for as long stops vouching for the committed version.",
     )
     max_staleness: Optional[int] = Field(
-        default=None,
-        ge=0,
-        le=1_000_000,
+        default=None, ge=0, le=1_000_000,
         description="Most versions a replica may lag the committed version and still start requests (a request's own `min_weight_version` can ask for more); unset: no bound.",
     )
     bucket_bytes: int = Field(
@@ -446,8 +433,7 @@ class ToolsConfig(_Section):
     max_calls_per_episode: int = Field(default=32, ge=0, le=10_000, description="Tool calls one episode may run at most, 0..10000 (an episode may ask for fewer).")
     python: PythonToolConfig = Field(default_factory=PythonToolConfig, description="The built-in `python` tool and its sandbox.")
     worker_resource: Optional[str] = Field(
-        default=None,
-        description="A Ray custom resource the tool workers ask for (a tiny share each), so they run only on nodes that offer it: the chart's hardened tool "
+        default=None, description="A Ray custom resource the tool workers ask for (a tiny share each), so they run only on nodes that offer it: the chart's hardened tool "
         "worker group. None: anywhere in the cluster.",
     )
 

@@ -9,8 +9,9 @@ section does not match the committed JSON.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from rollout.readme_section import replace_section
 
@@ -54,9 +55,14 @@ def _table_head(*columns: str) -> list[str]:
     return ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
-def _table(intro: str, columns: tuple[str, ...], rows: list[str]) -> list[str]:
-    """A benchmark's paragraph, then its table: ``columns`` over ``rows``."""
-    return [intro, *_table_head(*columns), *rows]
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def _table(intro: str, columns: Sequence[Column], points: Sequence[dict[str, Any]]) -> list[str]:
+    """A benchmark's paragraph, then its table: a row a point, each column a header and
+    the cell it makes of the point."""
+    rows = ["| " + " | ".join(cell(p) for _, cell in columns) + " |" for p in points]
+    return [intro, *_table_head(*(header for header, _ in columns)), *rows]
 
 
 def _range(values: list[float]) -> str:
@@ -78,17 +84,21 @@ def _batches(r: dict[str, Any]) -> str:
     return " (a round: " + ", ".join(f"{b} batch{'es' if b > 1 else ''} of {n}" for n, b in per.items()) + " per path)"
 
 
+def _tokens_per_s(path: str, label: str) -> Column:
+    key = "bare_vllm_tokens_per_s" if path == "bare" else f"{path}_tokens_per_s"
+    return f"{label} tok/s (range)", lambda p: f"{p[key]:,.0f} ({_range(p['rounds'][path])})"
+
+
 def engine_throughput(r: dict[str, Any]) -> list[str]:
     lines = _table(
         f"**engine_throughput** ({r['max_tokens']} tokens a request, {r.get('rounds', '?')} rounds a path{_batches(r)}, "
         f"{r.get('order', 'paths one after another')}; {_machine(r)}). " + _verdict(r, r["target"]),
-        ("concurrent", "bare vLLM tok/s (range)", "handle tok/s (range)", "HTTP tok/s (range)", "handle / bare (90% interval)", "HTTP / bare (90% interval)"),
         [
-            f"| {p['concurrency']} | {p['bare_vllm_tokens_per_s']:,.0f} ({_range(p['rounds']['bare'])}) | "
-            f"{p['handle_tokens_per_s']:,.0f} ({_range(p['rounds']['handle'])}) | {p['http_tokens_per_s']:,.0f} ({_range(p['rounds']['http'])}) | "
-            f"{_ratio(p, 'handle')} | {_ratio(p, 'http')} |"
-            for p in r["points"]
+            ("concurrent", lambda p: str(p["concurrency"])),
+            *(_tokens_per_s(path, label) for path, label in (("bare", "bare vLLM"), ("handle", "handle"), ("http", "HTTP"))),
+            *((f"{label} / bare (90% interval)", partial(_ratio, path=path)) for path, label in (("handle", "handle"), ("http", "HTTP"))),
         ],
+        r["points"],
     )
     cpu = [
         f"- {p['concurrency']} concurrent, {path}: total {sum(roles.values()):.2f} s ({_named(dict(list(roles.items())[:6]), '.2f')})"
@@ -97,6 +107,11 @@ def engine_throughput(r: dict[str, Any]) -> list[str]:
         for path, roles in p["cpu_s_per_round"].items()
     ]
     return lines + _notes("CPU seconds per round by process (medians; every process on the machine, grouped by role):", cpu)
+
+
+def _seconds(key: str, rounds: str = "") -> Callable[[dict[str, Any]], str]:
+    """A cell of seconds, with the range of its rounds where named."""
+    return lambda p: f"{p[key]:.2f} s" + (f" ({_seconds_range(p[rounds])})" if rounds else "")
 
 
 def _publish_ratio(p: dict[str, Any]) -> str:
@@ -109,16 +124,15 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
     lines = _table(
         f"**weight_sync** ({r['parameters'] / 1e6:.1f}M parameters, {r['bytes'] / 1e6:.0f} MB in {r['tensors']} tensors, "
         f"{r['bucket_bytes'] >> 20} MiB buckets; {order}{'; ' + machine if machine else ''}). " + _verdict(r, r["targets"]),
-        (
-            "replicas", "publish (range)", "bare engine round (range)", "floor", "per-tensor", "publish / bare round (90% interval)", "publish / floor",
-            "per-tensor / publish",
-        ),
         [
-            f"| {p['replicas']} | {p['publish_s']:.2f} s ({_seconds_range(p['publish_rounds'])}) | "
-            f"{p['engine_round_s']:.2f} s ({_seconds_range(p['engine_round_rounds'])}) | {p['floor_s']:.2f} s | {p['per_tensor_s']:.2f} s | "
-            f"{_publish_ratio(p)} | {_x(p['publish_vs_floor'])} | {_x(p['per_tensor_vs_publish'])} |"
-            for p in r["points"]
+            ("replicas", lambda p: str(p["replicas"])),
+            ("publish (range)", _seconds("publish_s", "publish_rounds")),
+            ("bare engine round (range)", _seconds("engine_round_s", "engine_round_rounds")),
+            *((header, _seconds(key)) for header, key in (("floor", "floor_s"), ("per-tensor", "per_tensor_s"))),
+            ("publish / bare round (90% interval)", _publish_ratio),
+            *((header, lambda p, key=key: _x(p[key])) for header, key in (("publish / floor", "publish_vs_floor"), ("per-tensor / publish", "per_tensor_vs_publish"))),
         ],
+        r["points"],
     )
     steps = []
     for p in (p for p in r["points"] if p.get("publish_phases_s")):
@@ -263,16 +277,16 @@ def coordinator_scale(r: dict[str, Any]) -> list[str]:
         f"{_machine(r)}; load average {r['load_average_1min']:.1f}). Goal: {r['goal']}: **{'met' if r['goal_met'] else 'not met'}** "
         f"(growth per replica: {growth}; 1.00 is linear). Coordination is the coordinator's CPU per round; a round's wall time "
         "also holds the simulated replicas, which share this machine's cores. Milliseconds, medians (90% interval).",
-        (
-            "replicas", "coordinator CPU per round", "round wall time", "simulated replicas' CPU", "sent per round", "late replicas: catch-up", "idle CPU",
-            "peak memory growth",
-        ),
         [
-            f"| {p['replicas']:,} | **{_ms(_scaled(p['coordinator_cpu_s'], 1000))}** | {_ms(_scaled(p['round_s'], 1000))} | "
-            f"{_ms(_scaled(p['replicas_cpu_s'], 1000))} | {p['coordinator_sent_kb'] / 1024:.1f} MiB | "
-            f"{p['late_replicas']}: {_ms(_scaled(p['catch_up_s'], 1000))} | {100 * p['idle_cpu_share']:.1f}% | {p['peak_memory_growth_mb']:.0f} MiB |"
-            for p in r["points"]
+            ("replicas", lambda p: f"{p['replicas']:,}"),
+            ("coordinator CPU per round", lambda p: f"**{_ms(_scaled(p['coordinator_cpu_s'], 1000))}**"),
+            *((header, lambda p, key=key: _ms(_scaled(p[key], 1000))) for header, key in (("round wall time", "round_s"), ("simulated replicas' CPU", "replicas_cpu_s"))),
+            ("sent per round", lambda p: f"{p['coordinator_sent_kb'] / 1024:.1f} MiB"),
+            ("late replicas: catch-up", lambda p: f"{p['late_replicas']}: {_ms(_scaled(p['catch_up_s'], 1000))}"),
+            ("idle CPU", lambda p: f"{100 * p['idle_cpu_share']:.1f}%"),
+            ("peak memory growth", lambda p: f"{p['peak_memory_growth_mb']:.0f} MiB"),
         ],
+        r["points"],
     )
     stalls = [(p["replicas"], p["stall"]) for p in r["points"] if p.get("stall")]
     if stalls:

@@ -55,7 +55,7 @@ class WeightSyncCoordinator:
         self.membership = Membership(sync.poll_s, sync.silent_polls)
         self.store = CommittedWeights(backend, self.config.model.path, sync.timeout_s, sync.rendezvous_port_range())
         self.rounds = Rounds(sync, backend, self.membership, self.store, self.metrics)
-        self.sessions = RouteSessions(sync, backend, self.membership, self.rounds, self.store)
+        self.sessions = RouteSessions(self.rounds)
 
     async def _authorize(self, token: Optional[str]) -> None:
         await self.auth.check(token)

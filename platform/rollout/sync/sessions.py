@@ -30,17 +30,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from rollout.errors import InvalidRequestError
-from rollout.sync.membership import Membership
 from rollout.sync.protocol import Control, ParamSpec, PauseMode, PullRound, PushRound, Round, SessionPlan, SessionRound, SyncError, Transfer
 from rollout.sync.rounds import Rounds, RoundState
 from rollout.sync.rules import assign_ranks, check_spec
-from rollout.sync.store import CommittedWeights
-
-if TYPE_CHECKING:
-    from rollout.config import SyncConfig
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +131,10 @@ class RouteSessions:
     the committed-weights store (the copy joins the trainer's group where one is kept).
     The caller (the coordinator) has checked the credential of every route."""
 
-    def __init__(self, sync: SyncConfig, backend: str, membership: Membership, rounds: Rounds, store: CommittedWeights):
-        self.sync = sync
-        self.backend = backend
-        self.membership = membership
+    def __init__(self, rounds: Rounds):
+        # Round execution's own settings and parts: a session round is one of its rounds.
         self.rounds = rounds
-        self.store = store
+        self.sync, self.backend, self.membership, self.store = rounds.sync, rounds.backend, rounds.membership, rounds.store
         self.session: Optional[Session] = None
         self._ended: Optional[str] = None  # why the last one ended, for the next start's error
         self._update: Optional[_Update] = None  # the current session round's steps
