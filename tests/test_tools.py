@@ -14,7 +14,9 @@ from rollout.tools import ToolRegistry, call_tool
 from rollout.tools.calculator import CalculatorError, calculator
 from rollout.tools.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
-LIMITS = SandboxLimits(wall_time_s=4, cpu_time_s=1, memory_bytes=256 << 20, disk_bytes=8 << 20, max_processes=8, output_chars=500)
+# The wall time well above the CPU time: a busy loop meets its CPU limit first even with a
+# small share of a loaded machine's cores.
+LIMITS = SandboxLimits(wall_time_s=6, cpu_time_s=1, memory_bytes=256 << 20, disk_bytes=8 << 20, max_processes=8, output_chars=500)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def test_code_runs_and_prints_in_a_private_working_directory(sandbox):
 def test_an_infinite_loop_is_stopped_at_the_cpu_limit(sandbox):
     result, seconds = run(sandbox, "while True:\n    pass")
     assert result.stopped == "CPU time" and "[stopped: CPU time limit]" in result.text()
-    assert seconds < LIMITS.cpu_time_s + 1.5
+    # Before its wall time: how far before depends on the core share it got.
+    assert seconds < LIMITS.wall_time_s
 
 
 def test_sleeping_past_the_wall_time_is_stopped(sandbox):

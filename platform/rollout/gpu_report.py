@@ -96,6 +96,30 @@ _routes = _filled(
 _openai = _filled("model `{model}`; greedy {greedy}; weight-version headers {weight_version_headers}")
 
 
+def _fleet(m: dict[str, Any]) -> str:
+    points = m.get("fleet") or []
+    if not points:
+        return ""
+    first, last = points[0]["replicas"], points[-1]["replicas"]
+    publishes = "; ".join(f"into {p['replicas']}: {p.get('publish_steady_s', '?')} s ({p.get('publish_first_s', '?')} s)" for p in points)
+    ratio, first_ratio = m.get(f"publish_{last}_vs_{first}"), m.get(f"first_{last}_vs_{first}")
+    ratios = (
+        f"**{last} vs {first} = {_ratio(ratio)}** (goal <= {m.get('goal_ratio')}x), first {_ratio(first_ratio)}; " if ratio is not None and first_ratio is not None else ""
+    )
+    ready = ", ".join(f"{p['replicas']} after {p.get('ready_s')} s" for p in points)
+    verdicts = {p["replicas"]: p["greedy"] for p in points if "greedy" in p}
+    if verdicts and all(v == "equal" for greedy in verdicts.values() for v in greedy.values()):
+        greedy = f"equal on every replica at {', '.join(map(str, verdicts))} replicas"
+    else:
+        greedy = "; ".join(f"{n} replicas: {g}" for n, g in verdicts.items()) or "not reached"
+    return (
+        f"{m.get('bytes', 0) / 1e9:.2f} GB from cuda:{m.get('trainer_gpu')} over NCCL, one replica a GPU. "
+        f"Publish-to-committed steady (first, which forms the group of the new membership): {publishes}; {ratios}"
+        f"serving: {ready} (the first deployed, each next one added to the running app and caught up from the checkpoint); "
+        f"greedy against a fresh engine {greedy}"
+    )
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -130,7 +154,16 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         "8. The OpenAI SDK's completions through the platform (vLLM's OpenAI layer) equal a fresh engine's greedy tokens",
         _openai,
     ),
+    "test_fleet_publish_time_stays_flat_from_one_to_three_replicas": (
+        "9. Many replicas: one trainer GPU publishes into 1, 2 and 3 TP=1 replicas (4 GPUs); publish time stays flat",
+        _fleet,
+    ),
 }
+
+# Checks without a row of their own share one row per file. Results recorded before the
+# files were (every such check was a sender test then) count as the senders' file.
+SENDERS_FILE = "tests/gpu/test_gpu_senders.py"
+FILE_TITLES = {SENDERS_FILE: f"Trainer-side senders on a GPU (`{SENDERS_FILE}`)"}
 
 
 def _outcome(entry: dict[str, Any]) -> str:
@@ -172,11 +205,15 @@ def render(runs: list[tuple[dict[str, Any], str]]) -> str:
                 r, s = passed
                 cell += f"{'<br>' if cell else ''}Last passed {r['started'][:16].replace('T', ' ')} UTC (`{s}`): {summary(r['checks'][name].get('metrics') or {})}"
         lines.append(f"| {title} | {_outcome(checks[name])} | {cell} |")
-    others = {k: v for k, v in checks.items() if k not in CHECKS}
-    if others:
+    by_file: dict[str, dict[str, Any]] = {}
+    for k, v in checks.items():
+        if k not in CHECKS:
+            by_file.setdefault(v.get("file") or SENDERS_FILE, {})[k] = v
+    for file, others in by_file.items():
         passed = sum(v.get("outcome") == "passed" for v in others.values())
         not_passed = [f"`{k}`: {_outcome(v)}" for k, v in others.items() if v.get("outcome") != "passed"]
-        lines.append(f"| Trainer-side senders on a GPU (`tests/gpu/test_gpu_senders.py`) | {passed} of {len(others)} passed | {'; '.join(not_passed)} |")
+        title = FILE_TITLES.get(file, f"Further GPU checks (`{file}`)")
+        lines.append(f"| {title} | {passed} of {len(others)} passed | {'; '.join(not_passed)} |")
     lines.append(END)
     return "\n".join(lines)
 

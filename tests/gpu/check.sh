@@ -6,18 +6,22 @@
 #   bash tests/gpu/check.sh install   verify and unpack the transferred parts, install the overlay
 #                                     (vllm 0.32.0, torch 2.13.0+cu130, ray 2.60.0) and the project
 #   bash tests/gpu/check.sh run [S] [PYTEST ARGS...]
-#                                     run the GPU tests (tests/gpu/test_gpu_*.py), at most S
-#                                     seconds (default 1500); results.json and check.log go to $OUT
-#                                     (or $ROLLOUT_GPU_WORK/out), rewritten after every test. Any
-#                                     subset runs on its own, e.g. `run 600 -k ipc` (the checks
-#                                     left out are recorded as not run, and why)
+#                                     run the GPU tests (tests/gpu/test_gpu_*.py: the senders', the
+#                                     platform's, then any other file), at most S seconds (default
+#                                     1500); results.json and check.log go to $OUT (or
+#                                     $ROLLOUT_GPU_WORK/out), rewritten after every test. Any subset
+#                                     runs on its own, e.g. `run 600 -k ipc` (the checks left out are
+#                                     recorded as not run, and why); `run 900 -k fleet` on four GPUs
+#                                     publishes into 1, 2 and 3 replicas (it skips with fewer)
 #
 # Where things are (override with the variables):
 #   ROLLOUT_GPU_PARTS  the transferred part-NNN files and SHA256SUMS   (default /tmp/acc)
 #   ROLLOUT_GPU_SITE   the overlay installed with pip --target          (default /tmp/site)
 #   ROLLOUT_GPU_WORK   models, checkpoints, the project's install, logs (default /tmp/gpu-work)
 #   ROLLOUT_GPU_MARGIN seconds before the end of S after which no check starts (default 360: the
-#                      longest check, TP=2, takes about five minutes)
+#                      longest check, TP=2, takes about five minutes; the fleet check, on four GPUs,
+#                      about five after other checks and up to ten alone, where it starts the bare
+#                      engine and compiles first)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PARTS=${ROLLOUT_GPU_PARTS:-/tmp/acc}
@@ -90,9 +94,14 @@ run() {
     for _ in $(seq 1 120); do [ -f "$WORK/models.done" ] && break; sleep 2; done
     [ -f "$WORK/models.done" ] || models
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$RESULTS_DIR/gpus.txt" 2>&1
+    # The senders' tests (no Ray), then the platform's, then any other GPU test file.
+    local files=(tests/gpu/test_gpu_senders.py tests/gpu/test_gpu_platform.py) f
+    for f in tests/gpu/test_gpu_*.py; do
+        case " ${files[*]} " in *" $f "*) ;; *) files+=("$f") ;; esac
+    done
     # The project's tests/ is imported from this tree (the engines' code ships to Ray workers by value).
     timeout "$budget" "$PY" -m pytest -p no:cacheprovider -v -rA --timeout 1200 -o addopts="" \
-        tests/gpu/test_gpu_senders.py tests/gpu/test_gpu_platform.py "$@" 2>&1 | tee "$RESULTS_DIR/check.log"
+        "${files[@]}" "$@" 2>&1 | tee "$RESULTS_DIR/check.log"
     local rc=${PIPESTATUS[0]}
     # Serve's and the replicas' logs: the first place to look when a check failed.
     tar -czf "$RESULTS_DIR/ray-logs.tgz" -C /tmp/ray/session_latest logs 2>/dev/null

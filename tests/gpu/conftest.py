@@ -34,7 +34,8 @@ class Record:
 
     def check(self, nodeid: str) -> dict[str, Any]:
         name = nodeid.split("::")[-1]
-        return self.data["checks"].setdefault(name, {"outcome": "not run", "metrics": {}})
+        # The file too: the report groups the checks it has no row of its own for by file.
+        return self.data["checks"].setdefault(name, {"file": nodeid.split("::")[0].replace(os.sep, "/"), "outcome": "not run", "metrics": {}})
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

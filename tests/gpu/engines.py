@@ -9,6 +9,9 @@
 
 Both take no Ray GPU: the tests place them with ``CUDA_VISIBLE_DEVICES`` on the GPU they
 need, the replica's own included (Ray leaves the variable alone for zero-GPU actors).
+
+* :class:`GpuHolder`: the opposite, one Ray GPU taken and left idle, so that Serve keeps
+  its replicas off the GPU a trainer in the driver publishes from.
 """
 
 from __future__ import annotations
@@ -123,3 +126,16 @@ class FloorReceiver:
                 self.group.broadcast(torch.empty(n, dtype=torch.uint8, device="cuda"), src=0, stream=stream)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+class GpuHolder:
+    """Takes one GPU in Ray's accounting and does nothing on it: Serve places no replica
+    there, so a trainer in the driver can use it as its own (NCCL takes one rank a GPU)."""
+
+    def uuid(self) -> str:
+        """The held GPU's UUID (Ray set ``CUDA_VISIBLE_DEVICES`` to it alone): the driver
+        finds its own index for it, whatever order each process numbers GPUs in."""
+        import torch
+
+        return str(torch.cuda.get_device_properties(0).uuid)

@@ -1,10 +1,11 @@
 """The platform's GPU paths on real GPUs: serving, NCCL and IPC publishing, catch-up,
-tensor parallelism and a trainer killed mid-publish, with the numbers the README quotes.
+tensor parallelism, a trainer killed mid-publish and publishing into 1, 2 and 3 replicas,
+with the numbers the README quotes.
 
 Run by ``tests/gpu/check.sh`` on a lent machine with two GPUs (see the README, "Verified
-on GPU"); skipped elsewhere. The models are the ones the script built: a ~1.5B-parameter
-bf16 Qwen2-shaped model (``rollout.modelbuild`` preset ``1.5b``) and a perturbed copy of
-it saved as a checkpoint.
+on GPU"; the fleet check needs four, and skips saying so with fewer); skipped elsewhere.
+The models are the ones the script built: a ~1.5B-parameter bf16 Qwen2-shaped model
+(``rollout.modelbuild`` preset ``1.5b``) and a perturbed copy of it saved as a checkpoint.
 
 Every check sets up what it needs, so any subset runs (``check.sh run 900 -k ipc``).
 What they share is shared on purpose, through one :class:`Stage` per run: the Ray
@@ -14,7 +15,8 @@ and the greedy references computed on it once. A check asks the stage for an app
 config: the stage reuses the running one when it matches (one deploy carries the checks
 from serving to catch-up, which saves the machine's time) and otherwise deletes it and
 deploys. A check that fails leaves its app and engine to be deleted, so the next check
-starts from a clean stage rather than from what the failure left.
+starts from a clean stage rather than from what the failure left. Deleting the app deletes
+every app Serve runs, also one whose deploy failed before the stage took it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ PUBLISHES = 4  # the first forms the NCCL group; the rest are the steady state
 GPU_IDLE_BYTES = 8 << 30
 # The app most checks share: one replica, synced over NCCL from the other GPU.
 SERVING_APP = "gpu-nccl"
+# The fleet check: one trainer GPU publishes into 1, then 2, then 3 TP=1 replicas.
+FLEET_APP = "gpu-fleet"
+FLEET_REPLICAS = (1, 2, 3)
+FLEET_PUBLISHES = 6  # per replica count: the first forms the NCCL group (membership changed), then the steady state
+FLEET_GOAL = 1.2  # issue 29: steady publish into 3 replicas within 1.2x of into 1
+# Requests (each in a session of its own) per prompt until every replica has answered it:
+# affinity routing spreads sessions over the replicas by rendezvous hashing, so a replica
+# that 30 sessions all missed (of 3: (2/3)^30, 5e-6) is one that does not serve.
+FLEET_ATTEMPTS = 30
 
 
 # ---- helpers ----------------------------------------------------------------------
@@ -215,6 +226,34 @@ def coordinator_status(app: str) -> dict:
     return WeightPublisher.connect(app_name=app).status()
 
 
+def greedy_per_replica(client, replica_ids, tag: str) -> tuple[dict[str, list[Optional[list[int]]]], set[str]]:
+    """Greedy tokens of every prompt from every replica in ``replica_ids`` (None where it
+    never answered that prompt), and the weight versions the samples' spans name. Each
+    request goes alone, in a session of its own, so the router's rendezvous hashing sends
+    the prompt to replica after replica until each has answered it."""
+    got: dict[str, list[Optional[list[int]]]] = {rid: [None] * len(PROMPTS) for rid in replica_ids}
+    spans: set[str] = set()
+    for i, p in enumerate(PROMPTS):
+        for attempt in range(FLEET_ATTEMPTS):
+            if all(got[rid][i] is not None for rid in replica_ids):
+                break
+            (result,) = client.generate_sync(requests([p], session=f"{tag}-{i}-{attempt}"))
+            spans |= {s.version for s in result.samples[0].weight_versions}
+            # A replica the coordinator does not list shows up here too (and fails the check).
+            answered = got.setdefault(result.replica_id, [None] * len(PROMPTS))
+            if answered[i] is None:
+                answered[i] = result.samples[0].token_ids
+    return got, spans
+
+
+def gpu_index(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid``."""
+    indices = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    if uuid not in indices:
+        raise RuntimeError(f"GPU {uuid} is not among this process's GPUs {sorted(indices)}")
+    return indices[uuid]
+
+
 def wait_for(predicate, timeout_s: float, interval_s: float = 1.0):
     """``predicate()``'s first truthy value, else its last value once ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
@@ -335,16 +374,22 @@ class Stage:
         return app.committed
 
     def release_app(self) -> None:
-        """Delete the app, and wait until its engines have given their GPU memory back."""
+        """Delete the app, and any other app Serve runs (one whose deploy failed before the
+        stage took it holds route prefix ``/`` just the same), and wait until their engines
+        have given their GPU memory back."""
         from ray import serve
 
-        if self.app is None:
+        names = set(serve.status().applications)  # empty while Serve has not started
+        if self.app is not None:
+            names.add(self.app.name)
+        self.app = None
+        if not names:
             return
-        app, self.app = self.app, None
-        serve.delete(app.name)
+        for name in sorted(names):
+            serve.delete(name)
         limit = [GPU_IDLE_BYTES + (self.bare_bytes if g == self.bare_gpu else 0) for g in range(torch.cuda.device_count())]
         if not wait_for(lambda: all(u < m for u, m in zip(gpu_memory_used(), limit)), 180, 2.0):
-            raise RuntimeError(f"app {app.name} deleted, but after 180 s the GPUs still use {gpu_memory_used()} bytes (expected below {limit})")
+            raise RuntimeError(f"apps {sorted(names)} deleted, but after 180 s the GPUs still use {gpu_memory_used()} bytes (expected below {limit})")
 
     # -- the bare engine and the references
 
@@ -941,3 +986,117 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
         assert {s.version for r in results for s in r.samples[0].weight_versions} == {str(version)}
     finally:
         stop(reference)
+
+
+# ---- many replicas ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 1 + max(FLEET_REPLICAS),
+    reason=f"needs {1 + max(FLEET_REPLICAS)} CUDA GPUs, the trainer's and one per replica "
+    f"(this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0}); run tests/gpu/check.sh on a 4-GPU machine",
+)
+def test_fleet_publish_time_stays_flat_from_one_to_three_replicas(stage, perturbed, record):
+    """One trainer GPU publishes over NCCL into 1, then 2, then 3 TP=1 replicas of one app,
+    each on a GPU of its own: Serve scales the running app, and each added replica catches
+    up from the committed checkpoint before it serves. Per replica count: every publish's
+    seconds to committed (the first forms the NCCL group of the new membership, the rest
+    keep it) and where they went, then every replica's greedy tokens against a fresh
+    engine on the published weights. The goal (issue 29): one broadcast, not one per
+    replica, so the steady publish into 3 replicas takes at most FLEET_GOAL times the one
+    into 1. Everything is recorded before anything is asserted."""
+    import ray
+
+    from rollout.sync import WeightPublisher
+    from tests.gpu.engines import GpuHolder
+
+    first_n, last_n = FLEET_REPLICAS[0], FLEET_REPLICAS[-1]
+    # The fleet takes every GPU (the replicas' and the trainer's): no other app stays.
+    stage.release_app()
+    # The trainer's GPU is one Ray counts as taken, so no replica Serve adds lands on it.
+    holder = GpuHolder.remote()
+    tensors, points = None, []
+    try:
+        trainer_gpu = gpu_index(ray.get(holder.uuid.remote(), timeout=180))
+        trainer = torch.device("cuda", trainer_gpu)
+        if perturbed not in stage.references and stage.bare is None:
+            # Beside the trainer (the bare engine takes no Ray GPU): each replica's GPU then
+            # holds its replica alone. Started before the app, so the app's compile cache is warm.
+            stage.bare_engine(trainer_gpu)
+        want = stage.reference(perturbed)
+        app = stage.app_for(platform_cfg(FLEET_APP, "nccl", replicas=first_n))
+        tensors = load_weights(perturbed, str(trainer))
+        record(
+            trainer_gpu=trainer_gpu,
+            bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+            tensors=len(tensors),
+            publishes_per_count=FLEET_PUBLISHES,
+            goal=f"publish_{last_n}_vs_{first_n} <= {FLEET_GOAL}",
+            goal_ratio=FLEET_GOAL,
+        )
+        app.published = True
+        pub = WeightPublisher.connect(app_name=app.name, backend="nccl")
+        for n in FLEET_REPLICAS:
+            ready_s = app.start_s if n == first_n else stage.rescale(platform_cfg(FLEET_APP, "nccl", replicas=n))
+
+            def members(n=n):
+                status = coordinator_status(app.name)
+                listed = status["replicas"].values()
+                on_committed = app.committed is None or all(r["version"] == app.committed for r in listed)
+                return status if len(listed) == n and on_committed else None
+
+            status = wait_for(members, 120, 2.0) or coordinator_status(app.name)
+            placed = {"replicas": n, "gpus": list(app.gpus), "ready_s": round(ready_s, 1), "members": status["replicas"]}
+            record(fleet=points + [placed])
+            assert len(status["replicas"]) == n, f"{n} replicas deployed, but the coordinator lists {status['replicas']}"
+            assert len(app.gpus) == n and trainer_gpu not in app.gpus, f"{n} replicas on GPUs {app.gpus}; the trainer's is {trainer_gpu}"
+
+            seconds, phases = [], []
+            with torch.cuda.device(trainer):
+                for _ in range(FLEET_PUBLISHES):
+                    t0 = time.perf_counter()
+                    version = pub.publish(tensors, checkpoint=str(perturbed))
+                    seconds.append(round(time.perf_counter() - t0, 4))
+                    phases.append({"group_kept": pub.last_group_kept, "trainer": {k: round(v, 4) for k, v in pub.last_phases.items()}, "replicas": pub.last_outcome.phases})
+            app.committed = version
+            replica_ids = sorted(coordinator_status(app.name)["replicas"])
+            got, spans = greedy_per_replica(app.handle, replica_ids, f"fleet-{n}")
+            verdicts = {
+                rid: first_mismatch(toks, want) if None not in toks else f"answered {sum(t is not None for t in toks)} of {len(PROMPTS)} prompts"
+                for rid, toks in got.items()
+            }
+            points.append(
+                placed
+                | {
+                    "publish_s": seconds,
+                    "publish_first_s": seconds[0],
+                    "publish_steady_s": statistics.median(seconds[1:]),
+                    "group_kept": [p["group_kept"] for p in phases],
+                    "phases": phases,
+                    "version": version,
+                    "greedy": verdicts,
+                    "served_spans": sorted(spans),
+                }
+            )
+            record(fleet=points)
+        pub.close()  # on a failure the communicator is left to the process's exit: a peer may be mid-round
+    finally:
+        del tensors
+        torch.cuda.empty_cache()
+        ray.kill(holder)
+
+    steady = {p["replicas"]: p["publish_steady_s"] for p in points}
+    first = {p["replicas"]: p["publish_first_s"] for p in points}
+    ratio = round(steady[last_n] / steady[first_n], 3)
+    equal = all(v == "equal" for p in points for v in p["greedy"].values())
+    record(
+        **{f"publish_{last_n}_vs_{first_n}": ratio, f"first_{last_n}_vs_{first_n}": round(first[last_n] / first[first_n], 3)},
+        goal_met=ratio <= FLEET_GOAL,
+        greedy_equal_on_every_replica=equal,
+    )
+    for p in points:
+        assert set(p["greedy"]) == set(p["members"]), f"{p['replicas']} replicas: answers came from {sorted(p['greedy'])}, the coordinator lists {sorted(p['members'])}"
+        assert all(v == "equal" for v in p["greedy"].values()), f"{p['replicas']} replicas: {p['greedy']}"
+        assert p["served_spans"] == [str(p["version"])], f"{p['replicas']} replicas: spans {p['served_spans']}, committed {p['version']}"
+        assert all(p["group_kept"][1:]), f"{p['replicas']} replicas: the steady publishes formed NCCL groups again: {p['group_kept']}"
+    assert ratio <= FLEET_GOAL, f"publish into {last_n} replicas took {ratio}x the one into {first_n} (steady {steady[last_n]} s against {steady[first_n]} s); goal <= {FLEET_GOAL}x"

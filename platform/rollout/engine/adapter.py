@@ -163,5 +163,7 @@ def _prepare_weight_transfer(sync_backend: str) -> Any:
     # First: a backend that pins an interface to that address (nccl) reads it.
     net.export_node_address()
     # What the backend's engine needs in the environment vLLM's engine processes inherit.
-    get_backend(sync_backend).prepare_engine_process()
-    return WeightTransferConfig(backend=sync_backend)
+    backend = get_backend(sync_backend)
+    backend.prepare_engine_process()
+    # The backend's receiving engine as vLLM's factory knows it (nccl: ours, not vLLM's "nccl").
+    return WeightTransferConfig(backend=backend.vllm_engine)

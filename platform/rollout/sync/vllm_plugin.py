@@ -16,12 +16,14 @@ def register() -> None:
 
     for name in backend_names():
         backend = get_backend(name)
-        for factory, target in ((WeightTransferEngineFactory, backend.worker_engine), (WeightTransferTrainerFactory, backend.trainer_engine)):
+        # The worker engine under its own vLLM name where vLLM has one called ``name``
+        # (``SyncBackend.engine_name``); trainers written for ``vllm serve`` ask for ``name``.
+        for factory, key, target in ((WeightTransferEngineFactory, backend.vllm_engine, backend.worker_engine), (WeightTransferTrainerFactory, name, backend.trainer_engine)):
             if target is None:
                 continue  # vLLM's own engine of that name
             module, cls = target.split(":")
             try:
-                factory.register_engine(name, module, cls)
+                factory.register_engine(key, module, cls)
             except ValueError:
                 # Plugins may load more than once per process: already registered is fine.
                 pass

@@ -146,6 +146,16 @@ class SyncBackend(ABC):
     # ``vllm serve``). None where vLLM's own engine of that name serves.
     worker_engine: ClassVar[Optional[str]] = None
     trainer_engine: ClassVar[Optional[str]] = None
+    # The name the worker engine is registered (and chosen, ``WeightTransferConfig(backend=)``)
+    # under in vLLM, where it cannot be ``name`` because vLLM has an engine of that name
+    # (ours for ``nccl`` receives into the live parameters; vLLM's "nccl" stays vLLM's).
+    # None: ``name``. See :attr:`vllm_engine`.
+    engine_name: ClassVar[Optional[str]] = None
+
+    @property
+    def vllm_engine(self) -> str:
+        """The replicas' ``WeightTransferConfig.backend``: the worker engine's name in vLLM."""
+        return self.engine_name or self.name
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -1,6 +1,10 @@
-"""The ``nccl`` backend, for GPU engines: vLLM's own NCCL engine on the replicas.
+"""The ``nccl`` backend, for GPU engines: vLLM's NCCL engine on the replicas, receiving
+into the live parameters.
 
-The receiving replicas run vLLM's ``NCCLWeightTransferEngine`` (packed, double-buffered);
+The receiving replicas run our ``DirectNcclWeightTransferEngine`` (nccl_worker): vLLM's
+``NCCLWeightTransferEngine`` (packed, double-buffered), each bucket copied straight into
+the parameters where a plan baked from ``load_weights`` allows (vLLM's layerwise reload
+otherwise);
 the trainer's side, built from vLLM's own trainer pieces, opens the NCCL endpoint as rank 0 with vLLM's ``nccl_common.trainer_init`` and
 broadcasts with ``packed_nccl_broadcast_producer``, so both sides split the stream into
 the same ``bucket_bytes`` chunks. Needs a CUDA device in the publishing process.
@@ -159,7 +163,13 @@ def _release(group: Optional[Any]) -> None:
 class NcclBackend(SyncBackend):
     name = "nccl"
     sender_cls = NcclSender
-    engine_keeps_group = True  # vLLM's engine holds its communicator until the next init
+    engine_keeps_group = True  # vLLM's engine (ours inherits it) holds its communicator until the next init
+    # Replicas receive with vLLM's NCCL engine less its per-round layerwise reload: the
+    # packed buckets copied straight into the live parameters where a plan baked from
+    # load_weights allows, vLLM's own path otherwise (nccl_worker). Registered under a
+    # name of its own: "nccl" in vLLM's factory is vLLM's engine.
+    worker_engine = "rollout.sync.backends.nccl_worker:DirectNcclWeightTransferEngine"
+    engine_name = "rollout-nccl-direct"
 
     def init_info(self, plan: TransferRound, member: Member) -> "NCCLWeightTransferInitInfo":
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo

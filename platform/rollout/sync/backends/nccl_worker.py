@@ -1,0 +1,170 @@
+"""The ``nccl`` backend's receiving engine: vLLM's NCCL engine, receiving straight into
+the live parameters where it can.
+
+Registered in vLLM's ``WeightTransferEngineFactory`` under
+``NcclBackend.engine_name`` (see :mod:`rollout.sync.vllm_plugin`; "nccl" is vLLM's own
+engine). It joins and keeps the communicator exactly as vLLM's ``NCCLWeightTransferEngine``
+does (inherited), and receives the same packed stream with vLLM's own
+``packed_nccl_broadcast_consumer`` (same buckets as the trainer's producer). What changes
+is what each received bucket goes into: vLLM's engine runs every round inside the
+layerwise-reload lifecycle (each of ~345 modules put on meta, materialized, copied back)
+and calls ``model.load_weights`` per bucket; this one replays a copy plan baked once from
+``load_weights`` (:mod:`rollout.sync.backends.direct_plan`): one ``_foreach_copy_`` per
+bucket into the parameters' storage, no reload.
+
+The direct path is taken only where the plan reproduces ``load_weights`` exactly; every
+other round is vLLM's own (layerwise reload + ``load_weights``), whole, with the reason
+logged once: not CUDA (on CPU vLLM repacks linear weights after loading, so the live
+tensors are not what the loaders write), quantization, LoRA, pipeline or tensor
+parallelism, a draft-model round, an unpacked transfer, or a plan :func:`bake` refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
+
+from rollout.sync.backends.direct_plan import DirectPlan, Ineligible, bake, plan_key
+
+logger = logging.getLogger(__name__)
+
+DIRECT, VLLM = "direct", "vllm"
+
+
+class DirectNcclWeightTransferEngine(NCCLWeightTransferEngine):
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self._plan: Optional[DirectPlan] = None
+        self._mode: Optional[str] = None  # this round's path: None until its first chunk
+        self._logged: set[str] = set()
+        # The path the last chunk took ("direct" or "vllm"), for checks and logs.
+        self.last_path: Optional[str] = None
+
+    # ---- which path ---------------------------------------------------------------
+
+    def _static_reason(self) -> Optional[str]:
+        """Why no round of this engine (as configured now) can take the direct path."""
+        vc, pc = self.vllm_config, self.parallel_config
+        if torch.device(self.device).type != "cuda":
+            return f"device {self.device} is not CUDA (vLLM repacks weights after loading there)"
+        if vc.quant_config is not None or getattr(self.model_config, "quantization", None):
+            return "the model is quantized (weights are processed after loading)"
+        if vc.lora_config is not None:
+            return "LoRA is enabled"
+        if pc.pipeline_parallel_size != 1 or pc.tensor_parallel_size != 1:
+            return f"pipeline/tensor parallel {pc.pipeline_parallel_size}/{pc.tensor_parallel_size} (the direct path is TP=1, PP=1 only)"
+        if self.model is not self._default_model:
+            return "a draft-model update"
+        if not self.packed:
+            return "the transfer is not packed"
+        return None
+
+    def _fall_back(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("weight update: vLLM's layerwise reload for this round, not the direct copy: %s", reason)
+        else:
+            logger.debug("weight update: vLLM's path: %s", reason)
+
+    def _plan_for(self, info: NCCLWeightTransferUpdateInfo) -> DirectPlan:
+        """The baked plan for this round's names (re-baked when they, or the live
+        tensors' storage, changed), or Ineligible."""
+        key = plan_key([(n, getattr(torch, d), tuple(s)) for n, d, s in zip(info.names, info.dtype_names, info.shapes)])
+        plan = self._plan
+        if plan is not None and plan.key == key:
+            stale = plan.stale(self.model)
+            if stale is None:
+                return plan
+            logger.info("weight update: direct plan baked again: %s", stale)
+        self._plan = None
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in key]
+        with disable_mtp_completeness_check():
+            plan = bake(self.model, specs)
+        logger.info("weight update: direct plan baked: %d names into %d copies (%d fills, %d dropped)", len(specs), plan.num_copies, len(plan.fills), len(plan.dropped))
+        self._plan = plan
+        return plan
+
+    # ---- vLLM's engine interface ----------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        # The path is chosen at the first chunk (its names decide the plan); a round
+        # that cannot go direct starts vLLM's layerwise reload there, before any bytes.
+        reason = self._static_reason()
+        if reason is not None:
+            self._fall_back(reason)
+            super().start_weight_update()
+            self._mode = VLLM
+        else:
+            self._mode = None
+
+    def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+        if self.model_update_group is None:
+            raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
+        if self._mode == VLLM:
+            self.last_path = VLLM
+            return super().receive_weights(update_info)
+        try:
+            plan = self._plan_for(update_info)
+        except Ineligible as e:
+            if self._mode == DIRECT:
+                # A later chunk of a round already received directly: no reload can start
+                # now (it would put half-updated layers on meta). Plain load_weights is what
+                # the plan would have replayed, for a CUDA model without quantization.
+                self._fall_back(f"{e.reason} (a later chunk: plain load_weights)")
+                self.last_path = "load_weights"
+                return self._receive(update_info, self.model.load_weights)
+            self._fall_back(e.reason)
+            super().start_weight_update()
+            self._mode = self.last_path = VLLM
+            return super().receive_weights(update_info)
+        self._mode = self.last_path = DIRECT
+        # Fills (vocab padding rows) touch no received bytes: once, before the copies.
+        plan.apply_fills()
+        self._receive(update_info, plan.apply)
+
+    def _receive(self, info: NCCLWeightTransferUpdateInfo, post_unpack) -> None:
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+        specs = ((n, (s, getattr(torch, d))) for n, d, s in zip(info.names, info.dtype_names, info.shapes))
+        # vLLM's own consumer, so the buckets split exactly as the trainer's producer
+        # packs them; each bucket's copies run on the stream it was received on.
+        packed_nccl_broadcast_consumer(
+            iterator=specs,
+            group=self.model_update_group,
+            src=0,
+            post_unpack_func=post_unpack,
+            buffer_size_bytes=self.packed_buffer_size_bytes,
+            num_buffers=self.packed_num_buffers,
+            device=self.device,
+        )
+
+    def update_weights(self, update_info: dict) -> None:
+        try:
+            super().update_weights(update_info)  # parse, receive, synchronize
+        except BaseException:
+            if self._mode == VLLM:
+                # vLLM's worker ends a failed session without finishing it, which would
+                # leave layers on meta (and the next start_weight_update fails). Finalizing
+                # materializes them again; the replica stays paused until a restore round.
+                self._finish()
+            self._mode = None
+            raise
+
+    def finish_weight_update(self) -> None:
+        # Direct: nothing to finish. The copies landed in the live storage (update_weights
+        # synchronized), no layer left it, and nothing vLLM's finalize runs applies to an
+        # unquantized model's weights: attention's process_weights_after_loading only sets
+        # default k/v scales (untouched by the copies), and linear layers process nothing
+        # on CUDA (CPU repacking is why CPU never goes direct).
+        if self._mode == VLLM:
+            self._finish()
+        self._mode = None
+
+    def _finish(self) -> None:
+        self._mode = None
+        super().finish_weight_update()

@@ -1,0 +1,67 @@
+"""The README's GPU table (rollout.gpu_report) for the fleet check and for checks that
+have no row of their own, from small synthetic results."""
+
+from __future__ import annotations
+
+from rollout.gpu_report import render
+
+FLEET = "test_fleet_publish_time_stays_flat_from_one_to_three_replicas"
+ENV = {"vllm": "0.32.0", "torch": "2.13.0+cu130", "ray": "2.60.0", "gpus": ["H100"] * 4}
+
+
+def _point(n: int, steady: float, first: float, greedy: str = "equal") -> dict:
+    return {
+        "replicas": n,
+        "gpus": list(range(n)),
+        "ready_s": 60.0 + n,
+        "publish_s": [first, steady, steady],
+        "publish_first_s": first,
+        "publish_steady_s": steady,
+        "greedy": {f"r{i}": greedy for i in range(n)},
+    }
+
+
+def _row(text: str, marker: str) -> str:
+    (row,) = [line for line in text.splitlines() if marker in line]
+    return row
+
+
+def test_the_fleet_row_shows_publish_time_per_replica_count_and_the_ratio_to_the_goal():
+    metrics = {
+        "trainer_gpu": 3,
+        "bytes": 2_960_000_000,
+        "goal_ratio": 1.2,
+        "fleet": [_point(1, 0.25, 0.8), _point(2, 0.26, 0.85), _point(3, 0.275, 0.9)],
+        "publish_3_vs_1": 1.1,
+        "first_3_vs_1": 1.125,
+    }
+    results = {"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": {FLEET: {"outcome": "passed", "metrics": metrics}}}
+    row = _row(render([(results, "docs/gpu/x.json")]), "Many replicas")
+    assert "| passed |" in row
+    assert "2.96 GB from cuda:3" in row
+    assert "into 1: 0.25 s (0.8 s); into 2: 0.26 s (0.85 s); into 3: 0.275 s (0.9 s)" in row
+    assert "**3 vs 1 = 1.10x** (goal <= 1.2x), first 1.12x" in row
+    assert "serving: 1 after 61.0 s, 2 after 62.0 s, 3 after 63.0 s" in row
+    assert "equal on every replica at 1, 2, 3 replicas" in row
+
+
+def test_a_fleet_check_that_failed_part_way_shows_what_it_reached():
+    # Cut short after two counts, one replica of which served other tokens: no ratio yet.
+    metrics = {"trainer_gpu": 0, "bytes": 1e9, "goal_ratio": 1.2, "fleet": [_point(1, 0.25, 0.8), _point(2, 0.3, 0.9, greedy="prompt 3: first difference at token 5")]}
+    results = {"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": {FLEET: {"outcome": "failed", "error": "AssertionError: 2 replicas", "metrics": metrics}}}
+    row = _row(render([(results, "docs/gpu/x.json")]), "Many replicas")
+    assert "**failed**: AssertionError: 2 replicas" in row
+    assert "into 2: 0.3 s (0.9 s)" in row and " vs 1 = " not in row
+    assert "2 replicas: {'r0': 'prompt 3: first difference at token 5'" in row
+
+
+def test_checks_without_a_row_of_their_own_are_grouped_by_their_file():
+    checks = {
+        # Recorded before entries named their file: the senders' tests then.
+        "test_old_sender_check": {"outcome": "passed", "metrics": {}},
+        "test_a_sender_check": {"file": "tests/gpu/test_gpu_senders.py", "outcome": "passed", "metrics": {}},
+        "test_a_direct_publish": {"file": "tests/gpu/test_gpu_direct.py", "outcome": "failed", "error": "AssertionError: slow", "metrics": {}},
+    }
+    text = render([({"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": checks}, "x.json")])
+    assert "| Trainer-side senders on a GPU (`tests/gpu/test_gpu_senders.py`) | 2 of 2 passed |  |" in text
+    assert "| Further GPU checks (`tests/gpu/test_gpu_direct.py`) | 0 of 1 passed | `test_a_direct_publish`: **failed**: AssertionError: slow |" in text
