@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 from pathlib import Path
 
 import pytest
 
+from rollout.engine.args import CPU_ENGINE_ENV
 from tests.hosts import SYNC_POLLING
+
+# The reference engines (bare vLLM, in this process's Ray cluster and on the test hosts,
+# which inherit this environment) compile as the platform's replicas do on CPU, so they
+# share vLLM's compile cache with them (rollout.engine.args.prepare_engine_environment).
+for _key, _value in CPU_ENGINE_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "build" / "model"
@@ -80,8 +88,6 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    import os
-
     import ray
 
     # Serve replicas inherit the environment of the cluster started here.

@@ -66,11 +66,12 @@ class DirectEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from rollout.config import ModelConfig
-        from rollout.engine.args import engine_kwargs
+        from rollout.engine.args import engine_kwargs, prepare_engine_environment
         from rollout.sync.vllm_plugin import register
 
         register()
         kwargs = engine_kwargs(ModelConfig.model_validate(model), "cpu")
+        prepare_engine_environment("cpu")  # as a replica's engine starts
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, weight_transfer_config=WeightTransferConfig(backend="gloo")))
 
     async def begin(self, address: str, port: int, rank: int, world: int, bucket_bytes: int) -> None:

@@ -62,12 +62,13 @@ class EngineAdapter:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from rollout.engine.args import engine_kwargs
+        from rollout.engine.args import engine_kwargs, prepare_engine_environment
         from rollout.engine.openai_app import serve_argv
         from rollout.engine.stats import stat_logger_factory
 
         # Once: on CPU it sizes the KV cache from the memory free now (before the engine takes it).
         kwargs = engine_kwargs(config.model, device)
+        prepare_engine_environment(device)
         argv = serve_argv(config.model, config.openai, kwargs)
         if sync_backend is not None:
             kwargs["weight_transfer_config"] = _prepare_weight_transfer(sync_backend)
