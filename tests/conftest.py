@@ -118,6 +118,24 @@ def reference(ray_cluster, model_dir):
 
 
 @pytest.fixture(scope="session")
+def policy_v2(model_dir, tmp_path_factory):
+    """The policy of perturbation seed 2 and its checkpoint: published by the weight-sync
+    and the RL-routes modules alike."""
+    from tests.test_weight_sync_e2e import saved_policy
+
+    return saved_policy(model_dir, tmp_path_factory, seed=2)
+
+
+@pytest.fixture(scope="session")
+def reference_v2(ray_cluster, policy_v2):
+    """A fresh engine on :func:`policy_v2`, started once for both modules (an engine start
+    is ~30 s of CPU here)."""
+    from tests.test_weight_sync_e2e import reference_engine
+
+    return reference_engine(policy_v2[1])
+
+
+@pytest.fixture(scope="session")
 def platform_config(model_dir, tmp_path_factory):
     from rollout.local import cpu_config
 

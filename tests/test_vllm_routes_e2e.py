@@ -13,7 +13,7 @@ import requests
 
 from rollout.sync.net import free_port, own_address
 from tests.conftest import API_KEY, SYNC_TOKEN
-from tests.test_weight_sync_e2e import PROMPTS, assert_every_replica_serves, greedy, reference_engine, saved_policy
+from tests.test_weight_sync_e2e import PROMPTS, assert_every_replica_serves, greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -39,16 +39,6 @@ def routes(base_url):
     from rollout.sync.route_client import WeightRoutesClient
 
     return WeightRoutesClient(base_url, token=SYNC_TOKEN, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def policy_v2(model_dir, tmp_path_factory):
-    return saved_policy(model_dir, tmp_path_factory, seed=2)
-
-
-@pytest.fixture(scope="module")
-def reference_v2(ray_cluster, policy_v2):
-    return reference_engine(policy_v2[1])
 
 
 def sync_status(routes):

@@ -161,12 +161,9 @@ async def test_a_request_for_a_newer_policy_waits_for_its_commit_and_reports_no_
 
 
 async def test_in_flight_request_keeps_going_on_the_new_weights_and_its_spans_show_the_switch(
-    publisher, model_dir, tmp_path_factory, handle_client, ray_cluster
+    publisher, policy_v2, reference_v2, handle_client, ray_cluster
 ):
-    from tests.reference import ReferenceLLM
-
-    model = perturbed_policy(model_dir, seed=2)
-    reference_v2 = ReferenceLLM.remote(str(save_policy(model, model_dir, tmp_path_factory.mktemp("policy-v2"))), MAX_MODEL_LEN, KV_BYTES)
+    model, _ = policy_v2
     prompt, total = [9, 8, 7, 6], 400
     chunks = []
     serving = str((await asyncio.to_thread(publisher.status))["committed_version"])
@@ -189,7 +186,46 @@ async def test_in_flight_request_keeps_going_on_the_new_weights_and_its_spans_sh
     assert 20 <= switch < total
     (continuation,) = ray.get(reference_v2.greedy.remote([prompt + tokens[:switch]], total - switch, ignore_eos=True))
     assert tokens[switch:] == continuation
-    ray.kill(reference_v2)
+
+
+# Two whole KV blocks on CPU (128 tokens each) and the one token always recomputed.
+LONG_SHARED = [(i * 53) % 900 + 7 for i in range(2 * 128 + 1)]
+
+
+async def test_after_a_commit_a_long_shared_prompt_is_not_served_from_the_old_versions_kv_and_is_cached_again(
+    publisher, policy_v1, reference_v1, handle_client, platform
+):
+    """sync.prefix_cache: salt. The update does not flush (nothing is in flight), yet the
+    first request after the commit finds none of the blocks the same prompt cached under
+    the old weights; the next one hits the blocks the first computed under the new."""
+    from rollout.bench.scaling import settled_prefix_counters
+    from tests.conftest import METRICS_PORT
+
+    assert platform.sync.prefix_cache == "salt"
+    metrics_url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    counters = [await settled_prefix_counters(metrics_url, platform.app_name)]
+
+    async def serve_long():
+        # One session: the affinity router keeps every call on one replica (asserted below).
+        (r,) = await handle_client.generate([greedy(LONG_SHARED, 16, "salted-prefix")])
+        counters.append(await settled_prefix_counters(metrics_url, platform.app_name))
+        (h0, q0), (h1, q1) = counters[-2:]
+        return r, h1 - h0, q1 - q0
+
+    first, _, _ = await serve_long()  # caches LONG_SHARED's blocks under the served version
+    again, hits, _ = await serve_long()
+    assert hits >= 256, f"the same version reuses them ({hits} tokens hit)"
+    # Different weights from those served now (the previous test published seed 2's).
+    version = await asyncio.to_thread(publisher.publish, policy_v1[0].named_parameters())
+    after, hits, queries = await serve_long()
+    assert queries >= len(LONG_SHARED) and hits == 0, f"{hits} prompt tokens came from blocks computed under the old weights"
+    (expected,) = ray.get(reference_v1.greedy.remote([LONG_SHARED], 16, ignore_eos=True))
+    assert after.samples[0].token_ids == expected
+    assert [(s.version, s.start, s.end) for s in after.samples[0].weight_versions] == [(str(version), 0, 16)]
+    cached, hits, _ = await serve_long()
+    assert hits >= 256, f"the new version's blocks are reused ({hits} tokens hit)"
+    assert cached.samples[0].token_ids == expected
+    assert {r.replica_id for r in (first, again, after, cached)} == {first.replica_id}, "one replica served them all"
 
 
 async def test_a_trainer_that_never_sends_ends_the_round_with_an_error_and_the_next_publish_succeeds(
@@ -427,3 +463,72 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
         await asyncio.sleep(0.5 if k >= 7 else 0)
     assert len(seen) == replicas
     assert await asyncio.to_thread(publisher.publish, model.named_parameters()) == committed + 1
+
+
+async def _sync_status(base_url) -> dict:
+    import httpx
+
+    from tests.conftest import API_KEY
+
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
+        resp = await c.get("/v1/sync/status")
+    resp.raise_for_status()
+    return resp.json()
+
+
+async def test_a_replica_that_received_corrupted_bytes_is_caught_named_and_every_replica_keeps_the_committed_version(
+    publisher, policy_v1, reference_v1, handle_client, base_url, model_dir
+):
+    """Fleet integrity: every replica digests what it received, per tensor, and the
+    coordinator compares with what the publisher sent (rollout.sync.digest). One replica's
+    received bytes are corrupted on purpose (the test hook: a marker in its digest
+    directory makes its receiving engine flip a byte of the first tensor)."""
+    from rollout.sync import SyncError
+    from rollout.sync import digest
+    from tests.conftest import wait_until
+
+    model_v1, _ = policy_v1
+    # A clean publish (the v1 weights again, as a new version): every replica's digest is
+    # the publisher's, in /v1/sync/status.
+    committed = await asyncio.to_thread(publisher.publish, model_v1.named_parameters())
+    status = await _sync_status(base_url)
+    sent = status["committed_digest"]
+    assert sent["version"] == committed and sent["digest"] == publisher.last_outcome.digest != ""
+    replicas = len(status["replicas"])
+    assert {rid: r["received"] for rid, r in status["replicas"].items()} == {rid: sent for rid in status["replicas"]}
+    await assert_every_replica_serves(handle_client, reference_v1, replicas, version=committed)
+
+    victim = sorted(status["replicas"])[0]
+    marker = digest.replica_dir(victim) / digest.CORRUPT_MARKER
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    model_v2 = perturbed_policy(model_dir, seed=2)
+    first = next(name for name, _ in model_v2.named_parameters())
+    try:
+        with pytest.raises(SyncError, match=rf"{victim}: received bytes differ from those sent in 1 tensor \({first}\)"):
+            await asyncio.to_thread(publisher.publish, model_v2.named_parameters())
+    finally:
+        hooked = not marker.exists()
+        marker.unlink(missing_ok=True)
+    assert hooked, "the victim's engine took the hook"
+    outcome = publisher.last_outcome
+    assert not outcome.committed and outcome.failed_replicas == [victim] and outcome.mismatched == {victim: [first]}
+    assert outcome.replica_digests[victim] != outcome.digest
+    assert all(d == outcome.digest for rid, d in outcome.replica_digests.items() if rid != victim), "only the victim differs"
+
+    # Every replica (those that loaded the aborted round's bytes restore from the
+    # coordinator's copy, checked against the committed digests too) serves the committed version.
+    async def all_on_committed():
+        s = await _sync_status(base_url)
+        return s["committed_version"] == committed and all(r["version"] == committed for r in s["replicas"].values()) and s
+    status = await wait_until(all_on_committed, timeout_s=300, interval_s=1)
+    assert status["committed_digest"] == sent
+    await assert_every_replica_serves(handle_client, reference_v1, replicas, version=committed)
+
+    # The hook was one-shot: the same publish now commits, every replica holding its bytes.
+    version = await asyncio.to_thread(publisher.publish, model_v2.named_parameters())
+    assert version == committed + 1
+    status = await _sync_status(base_url)
+    assert status["committed_digest"] == {"version": version, "digest": publisher.last_outcome.digest}
+    assert status["committed_digest"]["digest"] != sent["digest"]
+    assert {rid: r["received"] for rid, r in status["replicas"].items()} == {rid: status["committed_digest"] for rid in status["replicas"]}

@@ -275,6 +275,12 @@ class SyncConfig(_Section):
         default="keep",
         description="Requests in flight during an update: `keep` continues them on the new weights (their spans show the switch), `wait` finishes them first, `abort` ends them.",
     )
+    prefix_cache: Literal["salt", "flush"] = Field(
+        default="salt",
+        description="How an update keeps KV computed under older weights from serving later requests: `salt` gives every request a prefix-cache salt "
+        "(vLLM's `cache_salt`) naming the version it starts under, so it only reuses blocks of that version and older blocks age out, "
+        "flushing only when `keep` carries requests across the update or a trainer's `/pause` holds it; `flush` clears vLLM's prefix cache at every update.",
+    )
     timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Deadline (s) of every sync step: rendezvous, transfer, commit, (0, 3600].")
     poll_s: float = Field(
         default=5.0,

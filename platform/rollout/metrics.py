@@ -24,7 +24,7 @@ SYNC_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 REQUEST_OUTCOMES = ("ok", "invalid", "cancelled", "error")
 TOOL_OUTCOMES = ("ok", "error")
 TOOL_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
-SYNC_FAILURE_REASONS = ("trainer", "replica", "deadline", "keeper")
+SYNC_FAILURE_REASONS = ("trainer", "replica", "deadline", "keeper", "digest")
 
 
 class EngineMetrics:
@@ -121,6 +121,11 @@ class SyncMetrics:
         self.unconfirmed_replicas = m.Counter(
             "rollout_weight_sync_unconfirmed", "Replicas that did not confirm serving a committed version within the step deadline.", tag_keys=("backend",)
         )
+        # A replica whose received bytes differ from what the publisher sent (the round
+        # aborts; see rollout.sync.digest): one count per replica per round.
+        self.digest_mismatches = m.Counter(
+            "rollout_weight_sync_digest_mismatches", "Replicas whose received weights differed from the publisher's digest.", tag_keys=("backend", "replica")
+        )
         self.committed.set(0)
         self.replicas.set(0)
 
@@ -133,6 +138,9 @@ class SyncMetrics:
         if not committed:
             reason = reason if reason in SYNC_FAILURE_REASONS else "replica"
             self.failures.inc(1, tags={"backend": self.backend, "reason": reason})
+
+    def digest_mismatch(self, replica_id: str) -> None:
+        self.digest_mismatches.inc(1, tags={"backend": self.backend, "replica": replica_id})
 
     def unconfirmed(self, replicas: int) -> None:
         self.unconfirmed_replicas.inc(replicas, tags={"backend": self.backend})

@@ -91,8 +91,18 @@ class EngineAdapter:
         # Callers may reuse ids; vLLM needs them unique among live requests.
         return f"{req.request_id}:{uuid.uuid4().hex[:12]}"
 
-    async def generate(self, req: RolloutRequest, prompt_ids: list[int], turn: Optional[EpisodeTurnSampling] = None) -> Generated:
-        """Run one request to its end; cancelling this aborts it in the engine."""
+    @staticmethod
+    def _prompt(prompt_ids: list[int], cache_salt: Optional[str]) -> Any:
+        """The prompt as vLLM's renderer would hand it on (a token prompt needs no
+        rendering): vLLM adds it without a trip to its renderer's threads, so the request
+        reaches the engine in the same step of the event loop that took its salt."""
+        from vllm.inputs.engine import tokens_input
+
+        return tokens_input(prompt_ids, cache_salt=cache_salt)
+
+    async def generate(self, req: RolloutRequest, prompt_ids: list[int], turn: Optional[EpisodeTurnSampling] = None, cache_salt: Optional[str] = None) -> Generated:
+        """Run one request to its end; cancelling this aborts it in the engine.
+        ``cache_salt``: its prefix-cache salt (:meth:`SyncGate.salted`)."""
         from vllm.exceptions import VLLMClientError
 
         from rollout.engine.convert import to_sample, to_sampling_params
@@ -106,7 +116,7 @@ class EngineAdapter:
         )
         final = None
         try:
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._request_id(req)):
+            async for out in self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req)):
                 final = out
         except (ValueError, VLLMClientError) as e:
             # vLLM checks a structured-output constraint when the request is added.
@@ -116,12 +126,13 @@ class EngineAdapter:
         outputs = sorted(final.outputs, key=lambda c: c.index)
         return Generated([to_sample(c) for c in outputs], len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
 
-    def stream(self, req: RolloutRequest, prompt_ids: list[int]) -> AsyncIterator[Any]:
-        """vLLM's outputs of one request as they come (each holds only the new tokens)."""
+    def stream(self, req: RolloutRequest, prompt_ids: list[int], cache_salt: Optional[str] = None) -> AsyncIterator[Any]:
+        """vLLM's outputs of one request as they come (each holds only the new tokens);
+        the request reaches vLLM with the first."""
         from rollout.engine.convert import to_sampling_params
 
         params = to_sampling_params(req.sampling, req.n, stream=True)
-        return self.engine.generate({"prompt_token_ids": prompt_ids}, params, self._request_id(req))
+        return self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req))
 
     # ---- state ------------------------------------------------------------------
 

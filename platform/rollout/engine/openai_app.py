@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, ContextManager, Optional
 
 from rollout.config import ModelConfig, OpenAIConfig
+
 
 @dataclass(frozen=True)
 class ForwardedRequest:
@@ -26,6 +27,40 @@ class ForwardedRequest:
     query: str
     headers: tuple[tuple[str, str], ...]
     body: bytes
+
+
+class SaltedEngine:
+    """The replica's ``AsyncLLM`` as vLLM's OpenAI app is given it: the engine itself,
+    except that each request its ``generate`` adds carries the replica's prefix-cache salt
+    (:mod:`rollout.sync.salt`), a caller's ``cache_salt`` folded in rather than replaced.
+
+    The salt is taken as the app's request reaches the engine, not when the HTTP request
+    reaches the replica: the app renders it meanwhile, and an update may begin then.
+    """
+
+    def __init__(self, engine: Any, salted: Callable[[Optional[str]], ContextManager[Optional[str]]]):
+        self._engine = engine
+        self._salted = salted  # SyncGate.salted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, prompt: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        if not isinstance(prompt, dict):
+            # A streaming input (realtime audio) has no salt of its own to carry: as it is.
+            async with contextlib.aclosing(self._engine.generate(prompt, *args, **kwargs)) as outputs:
+                async for out in outputs:
+                    yield out
+            return
+        # The app hands vLLM rendered inputs, which it adds without an await: the salt
+        # is taken in the step that adds the request.
+        with self._salted(prompt.get("cache_salt")) as salt:
+            if salt is not None:
+                prompt = {**prompt, "cache_salt": salt}
+            # Closed with this generator: closing vLLM's aborts the request in the engine.
+            async with contextlib.aclosing(self._engine.generate(prompt, *args, **kwargs)) as outputs:
+                async for out in outputs:
+                    yield out
 
 
 # vLLM engine flags that default to on: turning them off takes ``--no-<flag>``.

@@ -59,7 +59,7 @@ class RolloutEngine:
 
     async def __init__(self, config: dict[str, Any], device: str, coordinator: Any = None, sync_backend: Optional[str] = None):
         from rollout.engine.episode_service import EpisodeService
-        from rollout.engine.openai_app import build_openai_app
+        from rollout.engine.openai_app import SaltedEngine, build_openai_app
 
         show_platform_logs()
         cfg = PlatformConfig.model_validate(config)
@@ -90,8 +90,9 @@ class RolloutEngine:
             metrics.tool_sandbox(self.tool_isolation.label if self.tool_isolation else "none")
         # After the tools: a replica registers with the coordinator only once it can serve.
         await self.gate.start()
-        # vLLM's own OpenAI server over this engine, with `vllm serve`'s arguments for it.
-        self.openai_app = await build_openai_app(adapter.engine, adapter.serve_argv)
+        # vLLM's own OpenAI server over this engine, with `vllm serve`'s arguments for it;
+        # every request it adds carries its prefix-cache salt.
+        self.openai_app = await build_openai_app(SaltedEngine(adapter.engine, self.gate.salted), adapter.serve_argv)
         self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges()) if metrics is not None else None
         logger.info("replica %s ready: %s, limits %s", replica_id, cfg.model.path, adapter.limits)
 
@@ -165,7 +166,9 @@ class RolloutEngine:
             raise first from None
 
     async def _generate_one(self, req: RolloutRequest, prompt_ids: list[int], turn: Optional[EpisodeTurnSampling] = None) -> RolloutResult:
-        out = await self.adapter.generate(req, prompt_ids, turn)
+        # The salt is taken as the request is added to vLLM (no await between them).
+        with self.gate.salted() as salt:
+            out = await self.adapter.generate(req, prompt_ids, turn, salt)
         self.admission.served(out.prompt_tokens, out.generated_tokens, out.started)
         samples = out.samples
         if turn is None:  # (an episode is scored when it ends, not turn by turn)
@@ -197,7 +200,7 @@ class RolloutEngine:
         ((req, prompt_ids),) = self.admission.prepare([request])
         await self.gate.admit([(req, prompt_ids)])
         # Closed with this stream, however it ends: closing it aborts the request in the engine.
-        outputs = contextlib.aclosing(self.adapter.stream(req, prompt_ids))
+        outputs = contextlib.aclosing(self._salted_stream(req, prompt_ids))
         with self.admission.inflight.counted(1):
             first, generated, started = True, 0, time.monotonic()
             scorer = self.admission.scorer(req)
@@ -221,6 +224,14 @@ class RolloutEngine:
             except Exception:
                 self.admission.count("error")
                 raise
+
+    async def _salted_stream(self, req: RolloutRequest, prompt_ids: list[int]) -> AsyncIterator[Any]:
+        """The engine's outputs of one request, its salt taken as its first is asked for
+        (when vLLM adds the request), held until the stream ends."""
+        with self.gate.salted() as salt:
+            async with contextlib.aclosing(self.adapter.stream(req, prompt_ids, salt)) as outputs:
+                async for out in outputs:
+                    yield out
 
     async def openai_http(self, route_hint: dict, request: Any) -> AsyncIterator[Any]:
         """An OpenAI route through vLLM's own server: ``{"status", "headers"}``, then the

@@ -10,11 +10,13 @@ only a request that needs a newer version.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+import contextlib
+from typing import Iterator, Optional, Protocol, runtime_checkable
 
 from rollout.config import SyncConfig
 from rollout.engine.admission import Prepared
 from rollout.errors import EngineUnavailableError, InvalidRequestError, NotServingError, StaleWeightsError
+from rollout.sync.salt import CacheSalts
 
 
 @runtime_checkable
@@ -40,6 +42,10 @@ class SyncState(Protocol):
     @property
     def committed(self) -> int:
         """The newest committed version it has heard of."""
+
+    @property
+    def salts(self) -> CacheSalts:
+        """Each request's prefix-cache salt, by the version it starts under."""
 
     @property
     def known_committed(self) -> Optional[int]:
@@ -70,6 +76,10 @@ class NoSync:
     version = 0
     committed = 0
     known_committed: Optional[int] = 0
+
+    def __init__(self) -> None:
+        # The weights never change: nothing to salt, a caller's salt stays as it is.
+        self.salts = CacheSalts(salting=False)
 
     def coordinator_lost_s(self) -> Optional[float]:
         return None  # no coordinator to lose
@@ -126,6 +136,15 @@ class SyncGate:
     @property
     def known_committed(self) -> Optional[int]:
         return self.sync.known_committed
+
+    @contextlib.contextmanager
+    def salted(self, caller: Optional[str] = None) -> Iterator[Optional[str]]:
+        """The ``cache_salt`` of one request handed to vLLM now (``caller``: the caller's
+        own, folded in), the request counted as unfinished until the block ends. Add the
+        request to vLLM in the same step of the event loop (no await before it): see
+        :mod:`rollout.sync.salt`."""
+        with self.sync.salts.request(self.sync.version, caller) as salt:
+            yield salt
 
     def raise_if_broken(self) -> None:
         if self.sync.broken:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from rollout.errors import StaleWeightsError, unwrap_remote
-from rollout.sync import net
+from rollout.sync import digest, net
 from rollout.sync.backends import get_backend
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
@@ -52,6 +52,7 @@ from rollout.sync.protocol import (
     SessionPlan,
     SessionRound,
 )
+from rollout.sync.salt import CacheSalts
 from rollout.sync.version import version_of
 
 if TYPE_CHECKING:
@@ -64,10 +65,11 @@ logger = logging.getLogger(__name__)
 WEDGED_GRACE_S = 15.0
 
 _PAUSE_FALLBACK_LOGGED = False
+_NO_DIGESTS_LOGGED: set[str] = set()  # replicas whose engine wrote no digests (logged once each)
 
 
-async def pause_for_update(engine: Any, mode: str) -> None:
-    """vLLM's ``pause_generation(mode, clear_cache=True)`` without its closing 20 ms sleep.
+async def pause_for_update(engine: Any, mode: str, clear_cache: bool = True) -> None:
+    """vLLM's ``pause_generation(mode, clear_cache)`` without its closing 20 ms sleep.
 
     That sleep only lets the last outputs of requests the pause ended reach their callers
     before the method returns, which vLLM notes is not needed for correctness; in a sync
@@ -81,10 +83,11 @@ async def pause_for_update(engine: Any, mode: str) -> None:
         if not _PAUSE_FALLBACK_LOGGED:
             logger.info("the engine has no engine_core.pause_scheduler_async: sync rounds pause through pause_generation (20 ms more each)")
             _PAUSE_FALLBACK_LOGGED = True
-        await engine.pause_generation(mode=mode, clear_cache=True)
+        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
         return
-    await renderer.clear_mm_cache_async()
-    await core.pause_scheduler_async(mode=mode, clear_cache=True)
+    if clear_cache:  # as pause_generation does
+        await renderer.clear_mm_cache_async()
+    await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
 
 async def check_reachable(where: Optional[tuple[str, int]], timeout_s: float) -> None:
@@ -134,6 +137,7 @@ class _Transferred:
     wedged: bool = False  # an engine call is blocked for good: nothing more can run on this engine
     finishing: Optional[asyncio.Future] = None  # vLLM's finish, run while the coordinator decides
     joined: Optional[_Joined] = None  # the publish group the engine holds after this round, if it serves it
+    digests: Optional[dict[str, str]] = None  # what the engine received, per tensor (rollout.sync.digest), reported
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,9 @@ class SyncAgent:
         # What a trainer asked through vLLM's routes (/pause, /reset_prefix_cache), as applied here.
         self.control = Control()
         self._reset_ok = True
+        # Each request's prefix-cache salt (sync.prefix_cache): with `salt`, an update
+        # flushes vLLM's prefix cache only when `keep` carries requests across it.
+        self.salts = CacheSalts(salting=sync.prefix_cache == "salt")
         # Replicas long-poll the coordinator (each poll returns within sync.poll_s), and one
         # silent for sync.silent_polls polls is dropped from membership: a round may then
         # commit without it. So past `lost_after_s` without an answer, this replica no
@@ -326,9 +333,13 @@ class SyncAgent:
     async def _apply_control(self, want: Control) -> None:
         try:
             if want.paused and want.paused != self.control.paused:
+                # As vLLM's /pause: the trainer's clear_cache decides. Requests sent during
+                # the hold start under whatever version its /resume finds: their own salt.
                 await self.engine.pause_generation(mode=want.paused, clear_cache=want.clear_cache)
+                self.salts.pause()
             elif not want.paused and self.control.paused:
                 await self.engine.resume_generation()
+                self.salts.resume()
             if want.cache_resets != self.control.cache_resets:
                 self._reset_ok = bool(await self.engine.reset_prefix_cache())
         except Exception as e:
@@ -422,14 +433,21 @@ class SyncAgent:
         clock = PhaseClock()
         # Given back below only by a publish round this replica serves.
         kept, self._engine_group = self._engine_group, None
-        async with clock("pause"):
-            # Under a trainer's /pause, pause again in "keep": it aborts nothing the hold keeps
-            # (requests sent meanwhile included) and still resets the prefix cache, so no KV
-            # computed under the old weights is reused after the update.
-            mode = "keep" if self.held else plan.pause_mode
-            await asyncio.wait_for(pause_for_update(self.engine, mode), limits.round_s)
+        # Under a trainer's /pause, pause again in "keep": it aborts nothing the hold keeps
+        # (requests sent meanwhile included).
+        mode = "keep" if self.held else plan.pause_mode
+        # No KV computed under the old weights may serve after the update. With salts,
+        # requests started later never reuse it; but requests `keep` carries across the
+        # update hold theirs, and only vLLM's reset makes them compute it again (it
+        # preempts them and clears the prefix cache). With `flush`, every update resets,
+        # and so does a round under a trainer's hold (vLLM's routes: unchanged from before
+        # salting; the trainer's own /pause and /reset_prefix_cache act as vLLM's do).
+        carried = self.salts.pause()
+        flush = not self.salts.salting or self.held or (mode == "keep" and carried)
         consistent = False
         try:
+            async with clock("pause"):
+                await asyncio.wait_for(pause_for_update(self.engine, mode, clear_cache=flush), limits.round_s)
             moved = await self._transfer(plan, clock, limits, kept)
             decision = await self._decide(plan, moved, clock, limits)
             if decision.serving:
@@ -439,6 +457,9 @@ class SyncAgent:
             if consistent and not self.held and not self.awaiting_publish:
                 async with clock("resume"):
                     await self.engine.resume_generation()
+            # A round that leaves the engine paused waits for a restore, which pauses
+            # again (and flushes if requests handed over meanwhile are still unfinished).
+            self.salts.resume()
         logger.info("replica %s: %s took %s", self.replica_id, plan.round_id, clock)
         await self.coordinator.applied(plan.round_id, self.replica_id, self.version, clock.phases)
         return consistent
@@ -512,25 +533,36 @@ class SyncAgent:
         moved.joined = joined
         await self._start_update(moved, clock, limits)
         offered = plan.transfer_info if isinstance(plan, PushRound) else None
-        await self._receive(backend.update_info(plan.params, offered), clock, limits)
+        await self._receive(plan, backend.update_info(plan.params, offered), clock, limits, moved)
 
     async def _receive_in_session(self, plan: SessionRound, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
         # A route session's members joined its group at the session's start.
         await self._start_update(moved, clock, limits)
         async with clock("trainer"):
             update_info = await self._session_update_info(plan)
-        await self._receive(update_info, clock, limits)
+        await self._receive(plan, update_info, clock, limits, moved)
 
     async def _start_update(self, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
         async with clock("start"):
             await asyncio.wait_for(self.engine.start_weight_update(), limits.step_s)
         moved.loaded = True
 
-    async def _receive(self, update_info: dict, clock: PhaseClock, limits: _Limits) -> None:
+    async def _receive(self, plan: Round, update_info: dict, clock: PhaseClock, limits: _Limits, moved: _Transferred) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        # Where the backend's engine digests what it receives, it leaves the digests at a
+        # path named here (its update_weights returns nothing); they go with the report.
+        path = digest.received_path(self.replica_id, plan.round_id) if get_backend(plan.backend).digests_received else None
+        if path is not None:
+            update_info = {**update_info, "digest_path": path}
         async with clock("receive"):
             await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)), limits.step_s)
+        if path is not None:
+            moved.digests = digest.read_received(path)
+            if moved.digests is None and self.replica_id not in _NO_DIGESTS_LOGGED:
+                # Reported without: the coordinator does not compare this replica's bytes.
+                _NO_DIGESTS_LOGGED.add(self.replica_id)
+                logger.warning("replica %s: the engine leaves no digests of what it receives (%s): its bytes are not verified", self.replica_id, path)
 
     async def _session_update_info(self, plan: SessionRound) -> dict:
         """A route session's round: say this member started, then wait for the trainer's
@@ -544,7 +576,7 @@ class SyncAgent:
     async def _decide(self, plan: Round, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> _Decision:
         """Report, take the coordinator's outcome, and on a commit label the weights."""
         async with clock("decision"):
-            outcome = await self._report(plan, moved.error, moved.unreachable)
+            outcome = await self._report(plan, moved.error, moved.unreachable, moved.digests)
         self.committed = max(self.committed, outcome.version)
         finish_error = await self._finished(moved.finishing, clock)
         if not outcome.committed or finish_error is not None:
@@ -588,11 +620,11 @@ class SyncAgent:
                 return f"finishing the update failed: {type(e).__name__}: {e}"
         return None
 
-    async def _report(self, plan: Round, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
+    async def _report(self, plan: Round, error: Optional[str], unreachable: Optional[str] = None, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
         """The round's decision; an unreachable coordinator counts as an abort, so the
         weights are restored rather than trusted."""
         try:
-            outcome = await self.coordinator.report(plan.round_id, self.replica_id, error, unreachable)
+            outcome = await self.coordinator.report(plan.round_id, self.replica_id, error, unreachable, digests)
         except Exception as e:
             logger.error("replica %s: reporting %s failed (%s); treating it as aborted", self.replica_id, plan.round_id, e)
             return RoundOutcome(plan.round_id, False, -1, f"report failed: {e}", [self.replica_id])

@@ -121,23 +121,29 @@ class WeightSyncCoordinator:
         """
         return await self.rounds.restore(replica_id)
 
-    async def report(self, round_id: str, replica_id: str, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
+    async def report(
+        self, round_id: str, replica_id: str, error: Optional[str], unreachable: Optional[str] = None, digests: Optional[dict[str, str]] = None
+    ) -> RoundOutcome:
         """A member received all weights (``error`` None) or failed; wait for the decision.
 
         ``unreachable``: the member failed because it could not reach the round's
         rendezvous at that "address:port". Like any failure it aborts the round at once
         (the publisher need not wait out its deadline), and the outcome says so, so the
         publisher can name the address it advertised and how to change it.
+
+        ``digests``: the member's per-tensor digests of what it received; a member whose
+        digests differ from the sender's fails the round (see :mod:`rollout.sync.digest`).
         """
         self.membership.seen(replica_id)
-        return await self.rounds.report(round_id, replica_id, error, unreachable)
+        return await self.rounds.report(round_id, replica_id, error, unreachable, digests=digests)
 
-    async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None) -> RoundOutcome:
+    async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
         """The trainer sent everything (or, with ``error``, aborts the round). It takes the
         credential :meth:`begin_round` takes: round ids are public (``status``), and without
-        it anyone with the API key could abort a round, or finish one early."""
+        it anyone with the API key could abort a round, or finish one early. ``digests``:
+        the per-tensor digests of what the trainer sent (see :mod:`rollout.sync.digest`)."""
         await self._authorize(token)
-        return await self.rounds.finish(round_id, error)
+        return await self.rounds.finish(round_id, error, digests=digests)
 
     async def applied(self, round_id: str, replica_id: str, version: int, phases: Optional[dict[str, float]] = None) -> None:
         """A member finished applying the decision (serving ``version`` again);
@@ -149,7 +155,10 @@ class WeightSyncCoordinator:
         self.rounds.live()
         return {
             "committed_version": self.store.version,
-            "replicas": {rid: {"version": r.version, "ranks": r.ranks} for rid, r in self.membership.replicas.items()},
+            # "received": the version and digest of what each replica received in the last
+            # round it committed (rollout.sync.digest), None before its first one here.
+            "replicas": {rid: {"version": r.version, "ranks": r.ranks, "received": self.rounds.replica_digest(rid)} for rid, r in self.membership.replicas.items()},
+            "committed_digest": self.rounds.committed_digest(),
             **self.rounds.status(),
             "weight_copy_version": self.store.copy_version,
             "backend": self.backend,

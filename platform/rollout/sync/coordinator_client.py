@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     NextRound = Union[Round, SessionPlan, Control, Reregister, None]
 
 
+def _trailing(*optional: Any) -> tuple:
+    """Trailing optional arguments up to the last one given: a call without them is the
+    same call as before they were added."""
+    args = list(optional)
+    while args and args[-1] is None:
+        args.pop()
+    return tuple(args)
+
+
 async def _answer(response: Any) -> Any:
     """The answer of one handle call, or the coordinator's own error."""
     try:
@@ -50,8 +59,10 @@ class CoordinatorHandle:
     async def restore(self, replica_id: str) -> Round:
         return await _answer(self._handle.restore.remote(replica_id))
 
-    async def report(self, round_id: str, replica_id: str, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
-        return await _answer(self._handle.report.remote(round_id, replica_id, error, unreachable))
+    async def report(
+        self, round_id: str, replica_id: str, error: Optional[str], unreachable: Optional[str] = None, digests: Optional[dict[str, str]] = None
+    ) -> RoundOutcome:
+        return await _answer(self._handle.report.remote(round_id, replica_id, error, unreachable, *_trailing(digests)))
 
     async def applied(self, round_id: str, replica_id: str, version: int, phases: Optional[dict[str, float]] = None) -> None:
         return await _answer(self._handle.applied.remote(round_id, replica_id, version, phases))
@@ -70,8 +81,8 @@ class CoordinatorHandle:
     async def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound:
         return await _answer(self._handle.begin_round.remote(token, request))
 
-    async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None) -> RoundOutcome:
-        return await _answer(self._handle.finish.remote(token, round_id, error))
+    async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
+        return await _answer(self._handle.finish.remote(token, round_id, error, *_trailing(digests)))
 
     async def status(self) -> dict[str, Any]:
         return await _answer(self._handle.status.remote())
@@ -147,8 +158,10 @@ class BlockingCoordinatorHandle:
     def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound:
         return self._result(lambda: self.handle.begin_round.remote(token, request), "begin_round", None)
 
-    def finish(self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None) -> RoundOutcome:
-        return self._result(lambda: self.handle.finish.remote(token, round_id, error), "finish", timeout_s)
+    def finish(
+        self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
+    ) -> RoundOutcome:
+        return self._result(lambda: self.handle.finish.remote(token, round_id, error, *_trailing(digests)), "finish", timeout_s)
 
     def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
         return self._result(lambda: self.handle.status.remote(), "status", timeout_s)

@@ -301,6 +301,13 @@ class RoundOutcome:
     # "address:port" of the rendezvous that members could not reach (the round aborted
     # before anything was sent); empty when none failed that way.
     unreachable: str = ""
+    # The round's digest (rollout.sync.digest.combine of the per-tensor digests of what was
+    # sent; empty where the sender gave none), and each member's of what it received.
+    digest: str = ""
+    replica_digests: dict[str, str] = field(default_factory=dict)
+    # replica -> names of the tensors whose received bytes differed from the sent ones
+    # (the round aborted; every replica keeps the committed version).
+    mismatched: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -222,8 +222,14 @@ class WeightPublisher:
             # A sender thread abandoned at the deadline may still hold the group.
             self._sender = None
         t_sent = time.perf_counter()
+        # What the sender digested while packing (rollout.sync.digest): the coordinator
+        # commits only if every replica received exactly these bytes.
+        sent_digests = sender.sent_digests if not error else None
         try:
-            outcome = self._coordinator.finish(self._token, plan.round_id, error, timeout_s=_finish_bound_s(plan, error, t_sent - t_open))
+            bound = _finish_bound_s(plan, error, t_sent - t_open)
+            # Passed only where the sender digested (stand-ins for backends without digests need not take it).
+            extra = {"digests": sent_digests} if sent_digests is not None else {}
+            outcome = self._coordinator.finish(self._token, plan.round_id, error, timeout_s=bound, **extra)
         except CoordinatorUnreachableError as e:
             # Whether the round committed is unknown: its group is not reused. After a clean
             # send nothing is pending on it, so it is released (not after a failed one).

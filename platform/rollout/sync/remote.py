@@ -81,6 +81,9 @@ class FinishBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     error: Optional[str] = Field(default=None, description="Why the trainer failed; the round aborts and every replica keeps the committed version.")
+    digests: Optional[dict[str, str]] = Field(
+        default=None, description="Per-tensor digests (rollout.sync.digest: position-weighted 64-bit sums and the byte length) of the bytes sent, by parameter name; a replica that received other bytes fails the round."
+    )
 
 
 class CoordinatorClient(Protocol):
@@ -93,9 +96,12 @@ class CoordinatorClient(Protocol):
     # within ``timeout_s`` (default: the client's own bound).
     def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound: ...
 
-    def finish(self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None) -> RoundOutcome:
+    def finish(
+        self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
+    ) -> RoundOutcome:
         """``error`` None: the trainer sent everything; else it aborts the round. Takes the
-        same credential as :meth:`begin_round`: a round's id is public (``status``)."""
+        same credential as :meth:`begin_round`: a round's id is public (``status``).
+        ``digests``: per-tensor digests of what was sent (:mod:`rollout.sync.digest`)."""
         ...
 
     def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]: ...
@@ -138,8 +144,10 @@ class HttpCoordinator:
         body = BeginRoundBody.of(request).model_dump(mode="json")
         return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
 
-    def finish(self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None) -> RoundOutcome:
-        body = FinishBody(error=error).model_dump(mode="json")
+    def finish(
+        self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
+    ) -> RoundOutcome:
+        body = FinishBody(error=error, digests=digests).model_dump(mode="json")
         return OUTCOME.validate_python(self._post(f"/v1/sync/rounds/{round_id}/finish", body, token, timeout_s))
 
     def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]:

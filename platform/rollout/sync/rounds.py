@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 
 from rollout.errors import InvalidRequestError
+from rollout.sync import digest as digests_
 from rollout.sync.backends import get_backend
 from rollout.sync.membership import Membership
 from rollout.sync.protocol import (
@@ -65,6 +66,10 @@ class RoundState:
     # The sender: the trainer, or the coordinator's copy in a pull round; a reload round has none.
     sender_done: bool = False
     sender_error: Optional[str] = None
+    # Per-tensor digests (rollout.sync.digest) of what the sender sent, and of what each
+    # member received; None / absent where a side gave none (its backend digests nothing).
+    sender_digests: Optional[dict[str, str]] = None
+    received: dict[str, dict[str, str]] = field(default_factory=dict)
     decided: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Optional[RoundOutcome] = None
     applied: set[str] = field(default_factory=set)  # members serving the decided version again
@@ -149,6 +154,13 @@ class Rounds:
         self.history: list[RoundOutcome] = []
         self.listeners: list[RoundListener] = []
         self._kept: Optional[_KeptGroup] = None  # the last committed publish round's transfer group
+        # The committed version's per-tensor digests as its publisher sent them (None: it
+        # sent none): what a pull round restoring that version is checked against too.
+        self.committed_digests: Optional[tuple[int, dict[str, str]]] = None
+        self._committed_combined = ""  # their combined digest, in the committed round's order
+        # replica -> (version, combined digest) of the weights it received in the last
+        # round it committed: what status() shows beside each replica's version.
+        self.replica_digests: dict[str, tuple[int, str]] = {}
         # Held from opening a round until its decision: one round at a time.
         self._lock = asyncio.Lock()
 
@@ -329,11 +341,17 @@ class Rounds:
         timed out late, a new round already opened) still learns it."""
         return next((o for o in reversed(self.history) if o.round_id == round_id), None)
 
-    async def report(self, round_id: str, replica_id: str, error: Optional[str], unreachable: Optional[str] = None) -> RoundOutcome:
+    async def report(
+        self, round_id: str, replica_id: str, error: Optional[str], unreachable: Optional[str] = None, *, digests: Optional[dict[str, str]] = None
+    ) -> RoundOutcome:
+        """``digests``: the member's per-tensor digests of what it received (see
+        :mod:`rollout.sync.digest`), compared with the sender's when the round is decided."""
         past = self.past_outcome(round_id)
         if past is not None:
             return past
         rnd = self.get(round_id)
+        if digests is not None:
+            rnd.received[replica_id] = dict(digests)
         rnd.record_report(replica_id, error)
         if error and unreachable:
             rnd.unreachable = unreachable
@@ -341,16 +359,20 @@ class Rounds:
         await rnd.decided.wait()
         return rnd.outcome
 
-    async def finish(self, round_id: str, error: Optional[str] = None) -> RoundOutcome:
+    async def finish(self, round_id: str, error: Optional[str] = None, *, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
         """The sender is done (or, with ``error``, aborts): wait for the decision and, after
         a commit, for the members to serve it, so a publisher that returns finds every
-        replica on the new version (it never waits longer than one step deadline)."""
+        replica on the new version (it never waits longer than one step deadline).
+        ``digests``: the sender's per-tensor digests of what it sent; every member's must
+        equal them for the round to commit."""
         past = self.past_outcome(round_id)
         if past is not None:
             return past
         rnd = self.get(round_id)
         rnd.sender_done = True
         rnd.sender_error = error
+        if digests is not None:
+            rnd.sender_digests = dict(digests)
         self._decide_if_complete(rnd)
         await rnd.decided.wait()
         if rnd.outcome.committed and rnd.plan.members:
@@ -396,20 +418,42 @@ class Rounds:
             reason = "replica"
         if error is None and rnd.copy_error:
             error, reason = f"the coordinator's copy: {rnd.copy_error}", "keeper"
-        committed = error is None
         plan = rnd.plan
+        expected = self._expected_digests(rnd)
+        mismatched = self._mismatched(rnd, expected) if error is None else {}
+        if mismatched:
+            error = "; ".join(
+                f"{rid}: received bytes differ from those sent in {digests_.describe(names)}" for rid, names in mismatched.items()
+            )
+            reason = "digest"
+            failed = sorted(mismatched)
+            if self.metrics is not None:
+                for rid in mismatched:
+                    self.metrics.digest_mismatch(rid)
+        committed = error is None
         restore = isinstance(plan, RESTORE_ROUNDS)
         if self.metrics is not None:
             nbytes = sum(p.nbytes for p in plan.params)
             self.metrics.round("restore" if restore else "publish", committed, time.monotonic() - rnd.opened_at, nbytes, reason)
         self.store.decided(plan, committed, rnd.version)
+        order = [p.name for p in plan.params]
+        received = {rid: digests_.combine(d, order) for rid, d in rnd.received.items()}
+        if committed:
+            if isinstance(plan, PushRound) or isinstance(plan, SessionRound):
+                self.committed_digests = (rnd.version, rnd.sender_digests) if rnd.sender_digests is not None else None
+                self._committed_combined = digests_.combine(rnd.sender_digests, order) if rnd.sender_digests is not None else ""
+            for rid, combined in received.items():
+                self.replica_digests[rid] = (rnd.version, combined)
         if isinstance(plan, PushRound):
             # Every participant keeps a committed round's group; after an abort some
             # have dropped it, so the next round forms a new one.
             self._kept = _KeptGroup.of(plan) if committed else None
         elif isinstance(plan, SessionRound):
             self._kept = None
-        rnd.outcome = RoundOutcome(plan.round_id, committed, self.store.version, error or "", failed, unreachable="" if committed else rnd.unreachable)
+        rnd.outcome = RoundOutcome(
+            plan.round_id, committed, self.store.version, error or "", failed, unreachable="" if committed else rnd.unreachable,
+            digest=digests_.combine(expected, order) if expected is not None else "", replica_digests=received, mismatched=mismatched,
+        )
         self.last_outcome = rnd.outcome
         self.history.append(rnd.outcome)
         del self.history[:-HISTORY]
@@ -419,6 +463,45 @@ class Rounds:
             listener.decided(rnd)
         log = logger.info if committed else logger.error
         log("%s %s (committed version %d)%s", plan.round_id, "committed" if committed else "aborted", self.store.version, f": {error}" if error else "")
+
+    def _expected_digests(self, rnd: RoundState) -> Optional[dict[str, str]]:
+        """What every member must have received: the publisher's digests of what it sent;
+        in a pull round of the committed version, that version's publisher's. None: the
+        round has none to check against (the sender gave none, or a reload)."""
+        if rnd.sender_digests is not None:
+            return rnd.sender_digests
+        if isinstance(rnd.plan, PullRound) and self.committed_digests is not None and self.committed_digests[0] == rnd.plan.version:
+            return self.committed_digests[1]
+        return None
+
+    @staticmethod
+    def _mismatched(rnd: RoundState, expected: Optional[dict[str, str]]) -> dict[str, list[str]]:
+        """replica -> the tensors whose received digests differ from ``expected``. A member
+        that reported no digests (its backend computes none) is not compared; logged."""
+        if expected is None:
+            return {}
+        out: dict[str, list[str]] = {}
+        for rid in sorted(rnd.member_ids):
+            got = rnd.received.get(rid)
+            if got is None:
+                logger.info("%s: %s reported no digests of what it received; not compared", rnd.round_id, rid)
+                continue
+            names = digests_.differing(expected, got)
+            if names:
+                out[rid] = names
+        return out
+
+    def committed_digest(self) -> Optional[dict[str, Any]]:
+        """The committed version's combined digest as its publisher sent it, or None."""
+        if self.committed_digests is None:
+            return None
+        return {"version": self.committed_digests[0], "digest": self._committed_combined}
+
+    def replica_digest(self, replica_id: str) -> Optional[dict[str, Any]]:
+        """The version and combined digest of what ``replica_id`` received in the last
+        round it committed, or None (it has received none since the coordinator started)."""
+        held = self.replica_digests.get(replica_id)
+        return {"version": held[0], "digest": held[1]} if held is not None else None
 
     def status(self) -> dict[str, Any]:
         return {

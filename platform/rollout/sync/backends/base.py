@@ -77,6 +77,10 @@ class Sender(ABC):
         # Seconds per step of the last send, where a transport reports them; the publisher
         # adds them to ``last_phases`` as ``send.<step>``. Empty where it does not.
         self.phases: dict[str, float] = {}
+        # Per-tensor digests of the bytes the last send put on the wire (rollout.sync.digest),
+        # for the coordinator to compare with what each replica received; None where the
+        # backend computes none.
+        self.sent_digests: Optional[dict[str, str]] = None
 
     @property
     def group_name(self) -> Optional[str]:
@@ -140,6 +144,9 @@ class SyncBackend(ABC):
     # last joined (see SyncAgent). False where the engine keeps its group inside init
     # itself (gloo's) or has none: every round inits.
     engine_keeps_group: ClassVar[bool] = False
+    # Whether the receiving engine digests what it receives (rollout.sync.digest): the
+    # agent then names where in the update info (``digest_path``) and reports the digests.
+    digests_received: ClassVar[bool] = False
     # Weight-transfer engines of the backend's own, as "module:Class", registered in vLLM's
     # factories under ``name`` in every vLLM process (rollout.sync.vllm_plugin): the worker
     # side (what replicas receive with) and the trainer side (for trainers written for

@@ -16,7 +16,7 @@ import torch
 
 from rollout.sync.backends.base import CopyOffer, CopySender, SyncBackend, TransferRound
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, copy_rendezvous, rendezvous
-from rollout.sync.backends.gloo_stream import send_buckets, send_packed
+from rollout.sync.backends.gloo_stream import SentDigests, send_buckets, send_packed
 from rollout.sync.net import PORTS_ENV, PortRange, free_port
 from rollout.sync.protocol import Member, PushRound
 
@@ -51,9 +51,13 @@ class GlooSender(CopySender):
         # trainer may change its tensors as soon as publish() returns.
         kept: Optional[list[torch.Tensor]] = [] if isinstance(plan, PushRound) and plan.copy is not None else None
         self._kept = None
+        self.sent_digests = None
+        sent = SentDigests()
         with self._slot.use(rendezvous(plan), 0) as group:
-            send_buckets(group, plan.params, tensors, plan.bucket_bytes, keep=kept)
+            send_buckets(group, plan.params, tensors, plan.bucket_bytes, keep=kept, digests=sent)
         self._kept = kept
+        self.sent_digests = sent.digests
+        self.phases = {"digest": sent.seconds}
 
     def send_copy(self, plan: PushRound) -> None:
         """After ``plan`` committed: the round's buckets to the coordinator's copy."""
@@ -76,6 +80,7 @@ class GlooSender(CopySender):
 
 class GlooBackend(SyncBackend):
     name = "gloo"
+    digests_received = True  # GlooWeightTransferEngine digests what it receives (rollout.sync.digest)
     sender_cls = GlooSender  # a CopySender: the coordinator keeps a copy
     transport_has_deadline = True  # the TCPStore's and gloo's own timeouts (the round's)
     worker_engine = "rollout.sync.backends.gloo_worker:GlooWeightTransferEngine"

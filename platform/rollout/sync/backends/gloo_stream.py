@@ -6,11 +6,13 @@ buckets in flight while it loads one.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Iterator, Optional, Sequence
 
 import torch
 
+from rollout.sync import digest
 from rollout.sync.backends.gloo_group import GlooGroup
 from rollout.sync.protocol import ParamSpec
 from rollout.sync.wire import bucket_bytes_of, pack, plan_buckets, unpack
@@ -18,12 +20,38 @@ from rollout.sync.wire import bucket_bytes_of, pack, plan_buckets, unpack
 IN_FLIGHT = 2  # buckets a receiver has posted ahead of the one it is loading
 
 
+class SentDigests:
+    """The per-tensor digests of what :func:`send_buckets` put on the wire (see
+    :mod:`rollout.sync.digest`), and the seconds spent hashing."""
+
+    def __init__(self) -> None:
+        self.digests: digest.TensorDigests = {}
+        self.seconds = 0.0
+
+    def add(self, packed: torch.Tensor, specs: Sequence[ParamSpec]) -> None:
+        # Hashed from the packed bucket itself (the bytes sent), while gloo's thread
+        # broadcasts it: hashlib releases the GIL.
+        t0 = time.perf_counter()
+        digest.digest_all(unpack(packed, specs), into=self.digests)
+        self.seconds += time.perf_counter() - t0
+
+
 def send_buckets(
-    group: GlooGroup, params: Sequence[ParamSpec], tensors: Sequence[torch.Tensor], bucket_bytes: int, keep: Optional[list[torch.Tensor]] = None
+    group: GlooGroup,
+    params: Sequence[ParamSpec],
+    tensors: Sequence[torch.Tensor],
+    bucket_bytes: int,
+    keep: Optional[list[torch.Tensor]] = None,
+    *,
+    digests: Optional[SentDigests] = None,
 ) -> None:
     """Broadcast ``tensors`` in packed buckets; ``keep``, when given, receives every packed
-    bucket (a copy of the weights that later changes to ``tensors`` do not touch)."""
-    _broadcast_pipelined(group, (pack(tensors[i] for i in bucket) for bucket in plan_buckets(params, bucket_bytes)), keep)
+    bucket (a copy of the weights that later changes to ``tensors`` do not touch);
+    ``digests``, when given, each tensor's digest of the bytes sent."""
+    plan = plan_buckets(params, bucket_bytes)
+    specs = [[params[i] for i in bucket] for bucket in plan]
+    on_sent = (lambda k, packed: digests.add(packed, specs[k])) if digests is not None else None
+    _broadcast_pipelined(group, (pack(tensors[i] for i in bucket) for bucket in plan), keep, on_sent)
 
 
 def send_packed(group: GlooGroup, buffers: Sequence[torch.Tensor]) -> None:
@@ -31,12 +59,14 @@ def send_packed(group: GlooGroup, buffers: Sequence[torch.Tensor]) -> None:
     _broadcast_pipelined(group, iter(buffers), None)
 
 
-def _broadcast_pipelined(group: GlooGroup, buffers: Iterator[torch.Tensor], keep: Optional[list[torch.Tensor]]) -> None:
+def _broadcast_pipelined(group: GlooGroup, buffers: Iterator[torch.Tensor], keep: Optional[list[torch.Tensor]], on_sent=None) -> None:
     in_flight = None
-    for packed in buffers:  # the next bucket is packed while the last one is on the wire
+    for k, packed in enumerate(buffers):  # the next bucket is packed while the last one is on the wire
         work = group.broadcast_async(packed)
         if keep is not None:
             keep.append(packed)
+        if on_sent is not None:
+            on_sent(k, packed)  # while this bucket is on the wire
         if in_flight is not None:
             in_flight[0].wait()
         in_flight = (work, packed)  # the buffer must outlive its broadcast

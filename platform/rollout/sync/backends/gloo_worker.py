@@ -8,6 +8,7 @@ so ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -15,6 +16,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rollout.sync import digest
 from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets
 from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, ParamSpec
@@ -36,6 +38,9 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    # Where this engine writes its digests of the received tensors (one file per rank,
+    # rollout.sync.digest.write_received), for the agent to report; None: none computed.
+    digest_path: Optional[str] = None
 
     def __post_init__(self):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -98,8 +103,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("gloo weight transfer is not initialised: call init_weight_transfer_engine first")
         # vLLM's layerwise reload may hold the views until a layer is complete:
         # receive_buckets gives every bucket its own buffer.
+        path = update_info.digest_path
+        received: Optional[digest.TensorDigests] = {} if path else None
+        corrupt = bool(path) and digest.take_corruption(path)  # test hook, inert unless a test set it
         for named in receive_buckets(self.slot.group, update_info.specs(), self.bucket_bytes):
+            if corrupt:
+                digest.corrupt(named[0][1])  # as a transfer that flipped a byte would
+                corrupt = False
+            if received is not None:
+                # Hashed before loading: the bytes that arrived, under the trainer's names
+                # (the live parameters are in vLLM's layout). The next buckets are in flight.
+                digest.digest_all(named, into=received)
             self.model.load_weights(named)
+        if path:
+            pc = self.parallel_config
+            digest.write_received(path, pc.data_parallel_index * pc.world_size + pc.rank, received)
 
     def shutdown(self) -> None:
         self.slot.drop()

@@ -1,0 +1,188 @@
+"""Digests of the weights a round moves: proof that every replica holds the bytes sent.
+
+What is compared, and why: the publisher digests each tensor as it packs it (the bytes it
+puts on the wire, named as the trainer names them), and each replica's receiving engine
+digests each tensor as it arrives, before loading it, under the same name. The coordinator
+compares the two maps when it decides the round (:meth:`rollout.sync.rounds.Rounds.close`):
+a replica whose map differs fails the round, named with the tensors that differ, and
+every replica keeps the committed version.
+
+The live parameters are not what is digested: vLLM holds them in its runtime layout (q, k
+and v fused, gate and up fused, shards per tensor-parallel rank), so a digest of them
+(vLLM's ``compute_weight_checksums``, sha256 of each live parameter) can only be compared
+between replicas of the same layout, never with what the trainer sent, and it copies
+every parameter to the host. Digesting the received bytes compares like with like, costs
+one pass over bytes already in host memory (gloo's buckets), and runs while the next
+buckets are on the wire. What it cannot see is a load that writes the right bytes to the
+wrong place; the greedy-equals-reference tests cover that path.
+
+The digest of a tensor: its bytes read as 64-bit integers, laid out in rows of ``ROW``
+(512 bytes), summed modulo 2**64 three ways: the row sums weighted by odd row numbers, the
+column sums weighted by odd column numbers, and the tail (the bytes past the last whole
+row) weighted by odd byte positions; with the byte length. Odd weights make every change
+of a single element change a sum (an even weight would miss a flipped top bit), and the
+two weightings catch a swap of two elements in one row or one column (unless equal) and
+most others. It is a check against corruption (a
+flipped bit, a truncated, shifted or misplaced buffer, a wrong tensor), not against a
+forger. The cost decided it: it is two vectorized reductions (torch, on the tensor's own
+device: a GPU digests without copying to the host), where a hash is a serial pass; on the
+2-core CI machine it ran at about twice zlib's CRC-32 and several times SHA-256's or
+BLAKE2b's throughput, and a round's bytes are digested once by the sender and once by
+every replica against a wire that moves them at memory speed. The sums wrap the same way
+in any order, so the digest does not depend on the device or the reduction order. Only the
+combined digest of a round (:func:`combine`, what status shows) is a hash (SHA-256).
+
+The receiving engine runs in vLLM's engine process, whose ``update_weights`` returns
+nothing: it writes its digests to a file the agent names in the update info (one per
+engine rank, :func:`write_received`), which the agent reads back (:func:`read_received`).
+Both are on one host (vLLM's CPU engine core is a child of the replica's process).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence
+
+# One tensor's digest, as hex; a round's digests map the trainer's names to them.
+TensorDigests = dict[str, str]
+
+# Test hook (inert unless a test creates it): a file of this name in a replica's digest
+# directory (:func:`replica_dir`) makes that replica's receiving engine flip one byte of the
+# next tensor it receives, as a corrupted transfer would, and delete the file.
+CORRUPT_MARKER = "corrupt-next-receive"
+# Names of differing tensors an error message lists before "and N more".
+NAMED_IN_ERRORS = 8
+
+
+ROW = 64  # 64-bit words per row: 512 bytes
+_MASK = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _odd(n: int, device: str):
+    """1, 3, 5, ... (n of them), as int64 on ``device`` (kept: tensors repeat their sizes)."""
+    import torch
+
+    return 2 * torch.arange(n, dtype=torch.int64, device=device) + 1
+
+
+def tensor_digest(tensor) -> str:
+    """``"<row sum><column sum><tail sum>:<byte length>"`` (each sum 16 hex digits) of
+    ``tensor``'s bytes in row-major order, computed on the tensor's device (see above)."""
+    import torch
+
+    b = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = b.numel()
+    rows = n // (8 * ROW)
+    body = b[: rows * 8 * ROW]
+    try:
+        words = body.view(torch.int64)
+    except RuntimeError:  # not 8-byte aligned (a view after an odd-sized tensor): align a copy
+        words = body.clone().view(torch.int64)
+    device = str(b.device)
+    sums = [0, 0, 0]
+    if rows:
+        grid = words.view(rows, ROW)
+        sums[0] = int((grid.sum(1) * _odd(rows, device)).sum())
+        sums[1] = int((grid.sum(0) * _odd(ROW, device)).sum())
+    tail = b[rows * 8 * ROW :]
+    if tail.numel():
+        sums[2] = int((tail.to(torch.int64) * _odd(tail.numel(), device)).sum())
+    return "".join(f"{v & _MASK:016x}" for v in sums) + f":{n}"
+
+
+def digest_all(named: Iterable[tuple[str, object]], into: Optional[TensorDigests] = None) -> TensorDigests:
+    """``{name: tensor_digest(t)}`` for ``named``, added to ``into`` where given."""
+    out = {} if into is None else into
+    for name, t in named:
+        out[name] = tensor_digest(t)
+    return out
+
+
+def combine(digests: Mapping[str, str], order: Sequence[str]) -> str:
+    """One digest of a round's tensors: their digests in ``order`` (the round's parameter
+    order), each with its name, so a renamed or reordered tensor changes it too."""
+    h = hashlib.sha256()
+    for name in order:
+        h.update(f"{name}\0{digests.get(name, '-')}\n".encode())
+    return h.hexdigest()
+
+
+def differing(expected: Mapping[str, str], got: Mapping[str, str]) -> list[str]:
+    """Names whose digests differ, in ``expected``'s order, then names only ``got`` has."""
+    return [n for n in expected if got.get(n) != expected[n]] + [n for n in got if n not in expected]
+
+
+def describe(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:NAMED_IN_ERRORS])
+    more = f" and {len(names) - NAMED_IN_ERRORS} more" if len(names) > NAMED_IN_ERRORS else ""
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''} ({shown}{more})"
+
+
+# ---- from the receiving engine to the agent --------------------------------------------
+
+
+def replica_dir(replica_id: str) -> Path:
+    """Where a replica's engine leaves its digests (and where the test hook's marker goes)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in replica_id)
+    return Path(tempfile.gettempdir()) / "rollout-digests" / safe
+
+
+def received_path(replica_id: str, round_id: str) -> str:
+    """The path prefix the agent names in a round's update info (``digest_path``)."""
+    d = replica_dir(replica_id)
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d / round_id)
+
+
+def _rank_file(path: str, rank: int) -> Path:
+    return Path(f"{path}.rank{rank}.json")
+
+
+def write_received(path: str, rank: int, digests: TensorDigests) -> None:
+    """The receiving engine's rank ``rank``: its digests, written whole (renamed into place)."""
+    final = _rank_file(path, rank)
+    tmp = final.with_suffix(".tmp")
+    tmp.write_text(json.dumps(digests))
+    os.replace(tmp, final)
+
+
+def read_received(path: str) -> Optional[TensorDigests]:
+    """The digests every engine rank of a replica wrote under ``path`` (and removes them);
+    None when no rank wrote any (an engine that does not digest). Every rank receives every
+    tensor, so they must agree; a rank that differs is an error naming the tensors."""
+    files = sorted(Path(path).parent.glob(Path(path).name + ".rank*.json"))
+    if not files:
+        return None
+    maps = []
+    for f in files:
+        maps.append(json.loads(f.read_text()))
+        f.unlink(missing_ok=True)
+    for f, other in zip(files[1:], maps[1:]):
+        diff = differing(maps[0], other)
+        if diff:
+            raise ValueError(f"engine ranks disagree on what they received: {f.name} differs from {files[0].name} in {describe(diff)}")
+    return maps[0]
+
+
+def take_corruption(path: str) -> bool:
+    """Test hook: whether the marker sits beside ``path`` (it is then removed, one-shot)."""
+    marker = Path(path).parent / CORRUPT_MARKER
+    try:
+        marker.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def corrupt(tensor) -> None:
+    """Test hook: flip every bit of ``tensor``'s first byte, in place."""
+    import torch
+
+    flat = tensor.reshape(-1).view(torch.uint8) if tensor.dtype != torch.uint8 else tensor.reshape(-1)
+    flat[0] = flat[0] ^ 0xFF
