@@ -163,3 +163,14 @@ def test_retryable_rows_are_the_engine_unavailable_family_and_an_unknown_409_sta
     assert type(exc.value) is RolloutError
     with pytest.raises(ValueError, match="two documented answers with status 409"):
         wire_errors.responses(wire_errors.STALE_WEIGHTS, wire_errors.SYNC_FAILED)
+
+
+def test_the_error_bodys_type_field_names_every_type_of_the_table():
+    # api.py cannot import the table (the table imports api's ErrorResponse): its
+    # description of `error.type` is written out, and this keeps it whole.
+    from rollout import wire_errors as wire
+    from rollout.api import ErrorDetail
+
+    described = ErrorDetail.model_fields["type"].description
+    missing = sorted({row.type for row in wire.TABLE} - {word.strip(",.()") for word in described.split()})
+    assert not missing, f"ErrorDetail.type's description does not name {missing}"
