@@ -477,7 +477,7 @@ async def _sync_status(base_url) -> dict:
 
 
 async def test_a_replica_that_received_corrupted_bytes_is_caught_named_and_every_replica_keeps_the_committed_version(
-    publisher, policy_v1, reference_v1, handle_client, base_url, model_dir
+    publisher, policy_v1, reference_v1, policy_v2, reference_v2, handle_client, base_url
 ):
     """Fleet integrity: every replica digests what it received, per tensor, and the
     coordinator compares with what the publisher sent (rollout.sync.digest). One replica's
@@ -502,7 +502,7 @@ async def test_a_replica_that_received_corrupted_bytes_is_caught_named_and_every
     marker = digest.replica_dir(victim) / digest.CORRUPT_MARKER
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    model_v2 = perturbed_policy(model_dir, seed=2)
+    model_v2, _ = policy_v2
     first = next(name for name, _ in model_v2.named_parameters())
     try:
         with pytest.raises(SyncError, match=rf"{victim}: received bytes differ from those sent in 1 tensor \({first}\)"):
@@ -514,6 +514,7 @@ async def test_a_replica_that_received_corrupted_bytes_is_caught_named_and_every
     outcome = publisher.last_outcome
     assert not outcome.committed and outcome.failed_replicas == [victim] and outcome.mismatched == {victim: [first]}
     assert outcome.replica_digests[victim] != outcome.digest
+    assert set(outcome.replica_digests) == set(status["replicas"]), "every member reported what it received"
     assert all(d == outcome.digest for rid, d in outcome.replica_digests.items() if rid != victim), "only the victim differs"
 
     # Every replica (those that loaded the aborted round's bytes restore from the
@@ -523,6 +524,8 @@ async def test_a_replica_that_received_corrupted_bytes_is_caught_named_and_every
         return s["committed_version"] == committed and all(r["version"] == committed for r in s["replicas"].values()) and s
     status = await wait_until(all_on_committed, timeout_s=300, interval_s=1)
     assert status["committed_digest"] == sent
+    # What the restores received (in the checkpoint's order, from the copy) is the committed bytes.
+    assert {rid: r["received"] for rid, r in status["replicas"].items()} == {rid: sent for rid in status["replicas"]}
     await assert_every_replica_serves(handle_client, reference_v1, replicas, version=committed)
 
     # The hook was one-shot: the same publish now commits, every replica holding its bytes.
@@ -532,3 +535,4 @@ async def test_a_replica_that_received_corrupted_bytes_is_caught_named_and_every
     assert status["committed_digest"] == {"version": version, "digest": publisher.last_outcome.digest}
     assert status["committed_digest"]["digest"] != sent["digest"]
     assert {rid: r["received"] for rid, r in status["replicas"].items()} == {rid: status["committed_digest"] for rid in status["replicas"]}
+    await assert_every_replica_serves(handle_client, reference_v2, replicas, version=version)

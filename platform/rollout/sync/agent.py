@@ -558,8 +558,11 @@ class SyncAgent:
         async with clock("receive"):
             await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)), limits.step_s)
         if path is not None:
-            moved.digests = digest.read_received(path)
-            if moved.digests is None and self.replica_id not in _NO_DIGESTS_LOGGED:
+            got = digest.read_received(path)
+            if got is not None:
+                moved.digests = got.digests
+                clock.phases["receive.digest"] = got.seconds  # within "receive": the engine's share of it
+            elif self.replica_id not in _NO_DIGESTS_LOGGED:
                 # Reported without: the coordinator does not compare this replica's bytes.
                 _NO_DIGESTS_LOGGED.add(self.replica_id)
                 logger.warning("replica %s: the engine leaves no digests of what it receives (%s): its bytes are not verified", self.replica_id, path)

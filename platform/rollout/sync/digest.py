@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -104,12 +105,14 @@ def digest_all(named: Iterable[tuple[str, object]], into: Optional[TensorDigests
     return out
 
 
-def combine(digests: Mapping[str, str], order: Sequence[str]) -> str:
-    """One digest of a round's tensors: their digests in ``order`` (the round's parameter
-    order), each with its name, so a renamed or reordered tensor changes it too."""
+def combine(digests: Mapping[str, str]) -> str:
+    """One digest of a set of weights: SHA-256 of every tensor's name and digest, in name
+    order (fixed, whatever order a round sent them in: a publish goes in the trainer's
+    order, a restore in the checkpoint's), so that two replicas holding the same bytes show
+    the same digest and a renamed tensor changes it."""
     h = hashlib.sha256()
-    for name in order:
-        h.update(f"{name}\0{digests.get(name, '-')}\n".encode())
+    for name in sorted(digests):
+        h.update(f"{name}\0{digests[name]}\n".encode())
     return h.hexdigest()
 
 
@@ -144,30 +147,39 @@ def _rank_file(path: str, rank: int) -> Path:
     return Path(f"{path}.rank{rank}.json")
 
 
-def write_received(path: str, rank: int, digests: TensorDigests) -> None:
+@dataclass(frozen=True)
+class Received:
+    """What a replica's engine received, as its ranks wrote it."""
+
+    digests: TensorDigests
+    seconds: float  # spent digesting (the slowest rank), reported as the round's phase "receive.digest"
+
+
+def write_received(path: str, rank: int, digests: TensorDigests, seconds: float) -> None:
     """The receiving engine's rank ``rank``: its digests, written whole (renamed into place)."""
     final = _rank_file(path, rank)
     tmp = final.with_suffix(".tmp")
-    tmp.write_text(json.dumps(digests))
+    tmp.write_text(json.dumps({"digests": digests, "seconds": seconds}))
     os.replace(tmp, final)
 
 
-def read_received(path: str) -> Optional[TensorDigests]:
-    """The digests every engine rank of a replica wrote under ``path`` (and removes them);
+def read_received(path: str) -> Optional[Received]:
+    """What every engine rank of a replica wrote under ``path`` (the files are removed);
     None when no rank wrote any (an engine that does not digest). Every rank receives every
     tensor, so they must agree; a rank that differs is an error naming the tensors."""
     files = sorted(Path(path).parent.glob(Path(path).name + ".rank*.json"))
     if not files:
         return None
-    maps = []
+    ranks = []
     for f in files:
-        maps.append(json.loads(f.read_text()))
+        ranks.append(json.loads(f.read_text()))
         f.unlink(missing_ok=True)
-    for f, other in zip(files[1:], maps[1:]):
-        diff = differing(maps[0], other)
+    first = ranks[0]["digests"]
+    for f, other in zip(files[1:], ranks[1:]):
+        diff = differing(first, other["digests"])
         if diff:
             raise ValueError(f"engine ranks disagree on what they received: {f.name} differs from {files[0].name} in {describe(diff)}")
-    return maps[0]
+    return Received(first, max(r["seconds"] for r in ranks))
 
 
 def take_corruption(path: str) -> bool:

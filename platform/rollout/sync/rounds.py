@@ -157,7 +157,7 @@ class Rounds:
         # The committed version's per-tensor digests as its publisher sent them (None: it
         # sent none): what a pull round restoring that version is checked against too.
         self.committed_digests: Optional[tuple[int, dict[str, str]]] = None
-        self._committed_combined = ""  # their combined digest, in the committed round's order
+        self._committed_combined = ""  # their combined digest (rollout.sync.digest.combine)
         # replica -> (version, combined digest) of the weights it received in the last
         # round it committed: what status() shows beside each replica's version.
         self.replica_digests: dict[str, tuple[int, str]] = {}
@@ -436,12 +436,11 @@ class Rounds:
             nbytes = sum(p.nbytes for p in plan.params)
             self.metrics.round("restore" if restore else "publish", committed, time.monotonic() - rnd.opened_at, nbytes, reason)
         self.store.decided(plan, committed, rnd.version)
-        order = [p.name for p in plan.params]
-        received = {rid: digests_.combine(d, order) for rid, d in rnd.received.items()}
+        received = {rid: digests_.combine(d) for rid, d in rnd.received.items()}
         if committed:
             if isinstance(plan, PushRound) or isinstance(plan, SessionRound):
                 self.committed_digests = (rnd.version, rnd.sender_digests) if rnd.sender_digests is not None else None
-                self._committed_combined = digests_.combine(rnd.sender_digests, order) if rnd.sender_digests is not None else ""
+                self._committed_combined = digests_.combine(rnd.sender_digests) if rnd.sender_digests is not None else ""
             for rid, combined in received.items():
                 self.replica_digests[rid] = (rnd.version, combined)
         if isinstance(plan, PushRound):
@@ -452,7 +451,7 @@ class Rounds:
             self._kept = None
         rnd.outcome = RoundOutcome(
             plan.round_id, committed, self.store.version, error or "", failed, unreachable="" if committed else rnd.unreachable,
-            digest=digests_.combine(expected, order) if expected is not None else "", replica_digests=received, mismatched=mismatched,
+            digest=digests_.combine(expected) if expected is not None else "", replica_digests=received, mismatched=mismatched,
         )
         self.last_outcome = rnd.outcome
         self.history.append(rnd.outcome)

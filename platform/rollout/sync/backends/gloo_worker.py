@@ -7,6 +7,7 @@ so ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -106,18 +107,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         path = update_info.digest_path
         received: Optional[digest.TensorDigests] = {} if path else None
         corrupt = bool(path) and digest.take_corruption(path)  # test hook, inert unless a test set it
+        digest_s = 0.0
         for named in receive_buckets(self.slot.group, update_info.specs(), self.bucket_bytes):
             if corrupt:
                 digest.corrupt(named[0][1])  # as a transfer that flipped a byte would
                 corrupt = False
             if received is not None:
-                # Hashed before loading: the bytes that arrived, under the trainer's names
+                # Digested before loading: the bytes that arrived, under the trainer's names
                 # (the live parameters are in vLLM's layout). The next buckets are in flight.
+                t0 = time.perf_counter()
                 digest.digest_all(named, into=received)
+                digest_s += time.perf_counter() - t0
             self.model.load_weights(named)
         if path:
             pc = self.parallel_config
-            digest.write_received(path, pc.data_parallel_index * pc.world_size + pc.rank, received)
+            digest.write_received(path, pc.data_parallel_index * pc.world_size + pc.rank, received, digest_s)
 
     def shutdown(self) -> None:
         self.slot.drop()
