@@ -163,22 +163,10 @@ async def first_pause(model_dir, prefix_cache: str, pause_mode: str = "keep", in
     engine was asked for it: ``(mode, clear_cache)``. Catch-up pauses in ``keep``; the
     caller makes reload rounds pause in ``pause_mode``, as publish rounds do."""
     from rollout.sync.agent import SyncAgent
-    from rollout.sync.checkpoint import checkpoint_spec
-    from rollout.sync.coordinator import WeightSyncCoordinator
-    from rollout.sync.protocol import RoundRequest
-    from tests.test_sync_agent import InProcess, RecordingEngine
+    from tests.test_sync_agent import InProcess, RecordingEngine, committed_from_a_checkpoint
 
     sync = {"timeout_s": 5, "require_token": False, "prefix_cache": prefix_cache}
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": sync}, "nccl")
-    specs = checkpoint_spec(str(model_dir))
-    await coordinator.register("a", 1, 0, specs)
-    plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1, checkpoint="/shared/policy-v1"))
-    asyncio.get_running_loop().create_task(coordinator.report(plan.round_id, "a", None))
-    finish = asyncio.create_task(coordinator.finish(None, plan.round_id))
-    await asyncio.sleep(0.05)
-    await coordinator.applied(plan.round_id, "a", 1)
-    assert (await finish).committed
-
+    coordinator = await committed_from_a_checkpoint(model_dir, sync)
     engine = RecordingEngine()
     agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="b", ranks=1, model_path=str(model_dir), sync=SyncConfig(**sync))
     with contextlib.ExitStack() as requests:

@@ -76,11 +76,13 @@ class InProcess:
         return type("Method", (), {"remote": staticmethod(method)})
 
 
-async def test_a_replica_that_starts_behind_a_committed_checkpoint_reloads_it_before_serving(model_dir):
+async def committed_from_a_checkpoint(model_dir, sync: dict):
+    """A coordinator (nccl, in this process) whose replica "a" committed version 1, published
+    with the checkpoint ``/shared/policy-v1`` (what a replica behind it reloads)."""
     from rollout.sync.checkpoint import checkpoint_spec
     from rollout.sync.coordinator import WeightSyncCoordinator
 
-    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5, "require_token": False}}, "nccl")
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": sync}, "nccl")
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 0, specs)
     plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", 1, checkpoint="/shared/policy-v1"))
@@ -89,7 +91,11 @@ async def test_a_replica_that_starts_behind_a_committed_checkpoint_reloads_it_be
     await asyncio.sleep(0.05)
     await coordinator.applied(plan.round_id, "a", 1)
     assert (await finish).committed
+    return coordinator
 
+
+async def test_a_replica_that_starts_behind_a_committed_checkpoint_reloads_it_before_serving(model_dir):
+    coordinator = await committed_from_a_checkpoint(model_dir, {"timeout_s": 5, "require_token": False})
     engine = RecordingEngine()
     agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="b", ranks=1, model_path=str(model_dir))
     await agent.start()

@@ -28,6 +28,16 @@ def on_gpus(actor_cls, gpus: str):
     return actor_cls.options(runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": gpus}})
 
 
+def stop_actor(actor) -> None:
+    """End an engine actor: its engine shut down (its GPU memory freed), then the actor."""
+    try:
+        ray.get(actor.shutdown.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - killed next anyway
+        pass
+    ray.kill(actor)
+    time.sleep(3)  # the driver's view of GPU memory lags the kill
+
+
 @ray.remote(num_cpus=0, num_gpus=0)
 class BareEngine:
     async def start(self, model: dict, weight_transfer: Optional[str] = None) -> float:

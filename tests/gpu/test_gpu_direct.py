@@ -17,23 +17,17 @@ Skipped without two CUDA GPUs or the built model (``tests/gpu/check.sh models``)
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason=f"needs 2 CUDA GPUs (this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0}); run tests/gpu/check.sh on a GPU machine",
-)
+from tests.gpu.engines import stop_actor
+from tests.gpu.machine import MODEL, needs_gpus
 
-ROOT = Path(__file__).resolve().parents[2]
-WORK = Path(os.environ.get("ROLLOUT_GPU_WORK", ROOT / "build" / "gpu"))
-MODEL = Path(os.environ.get("ROLLOUT_GPU_MODEL", WORK / "model-1.5b"))
+pytestmark = needs_gpus(2)
 ROUNDS = 5  # per engine: perturbed, original, ..., perturbed (odd: the last is perturbed)
 PROMPTS = [[5, 17, 42, 99, 3], [100, 200, 300], [7] * 40, list(range(10, 74))]
 VLLM_ENGINE = "nccl"
@@ -173,12 +167,7 @@ def _run_engine(engine: str, weight_sets: list[dict[str, torch.Tensor]], bucket_
     finally:
         if group is not None:
             group.destroy()
-        try:
-            ray.get(replica.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - killed next anyway
-            pass
-        ray.kill(replica)
-        time.sleep(3)
+        stop_actor(replica)
 
 
 def test_our_direct_nccl_engine_receives_the_same_weights_faster_than_vllms(ray_up, record):

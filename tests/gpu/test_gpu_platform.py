@@ -36,14 +36,9 @@ from typing import Any, Optional
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason=f"needs 2 CUDA GPUs (this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0}); run tests/gpu/check.sh on a GPU machine",
-)
+from tests.gpu.machine import MODEL, WORK, needs_gpus
 
-ROOT = Path(__file__).resolve().parents[2]
-WORK = Path(os.environ.get("ROLLOUT_GPU_WORK", ROOT / "build" / "gpu"))
-MODEL = Path(os.environ.get("ROLLOUT_GPU_MODEL", WORK / "model-1.5b"))
+pytestmark = needs_gpus(2)
 API_KEY = "gpu-check-key"
 HTTP_PORT = 18123
 MAX_TOKENS = 32
@@ -189,14 +184,9 @@ def start_engine(gpus: str, model: dict, weight_transfer: str | None = None):
 
 
 def stop(actor) -> None:
-    import ray
+    from tests.gpu.engines import stop_actor
 
-    try:
-        ray.get(actor.shutdown.remote(), timeout=60)
-    except Exception:  # noqa: BLE001 - killed next anyway
-        pass
-    ray.kill(actor)
-    time.sleep(3)
+    stop_actor(actor)
 
 
 def load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
@@ -991,11 +981,7 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
 # ---- many replicas ---------------------------------------------------------------
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 1 + max(FLEET_REPLICAS),
-    reason=f"needs {1 + max(FLEET_REPLICAS)} CUDA GPUs, the trainer's and one per replica "
-    f"(this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0}); run tests/gpu/check.sh on a 4-GPU machine",
-)
+@needs_gpus(1 + max(FLEET_REPLICAS), ", the trainer's and one per replica")
 def test_fleet_publish_time_stays_flat_from_one_to_three_replicas(stage, perturbed, record):
     """One trainer GPU publishes over NCCL into 1, then 2, then 3 TP=1 replicas of one app,
     each on a GPU of its own: Serve scales the running app, and each added replica catches
