@@ -127,6 +127,24 @@ def test_the_corruption_hook_is_inert_unless_its_marker_is_set_and_fires_once(tm
     assert not digest.take_corruption(path), "one-shot"
 
 
+def test_digests_go_only_to_a_directory_no_other_user_can_write_or_redirect(tmp_path, monkeypatch, caplog):
+    # In a shared /tmp, another local user could otherwise plant the marker or a link that
+    # steers the engine's writes: such a directory is refused and nothing is collected.
+    import os
+
+    monkeypatch.setattr(digest.tempfile, "gettempdir", lambda: str(tmp_path))
+    made = digest.replica_dir("r1")
+    assert digest.received_path("r1", "round-1") is not None
+    assert made.stat().st_mode & 0o777 == 0o700 and made.parent.stat().st_mode & 0o777 == 0o700
+    os.chmod(made, 0o777)
+    assert digest.received_path("r1", "round-2") is None
+    assert "not a private directory" in caplog.text
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    os.symlink(elsewhere, digest.replica_dir("r2"))
+    assert digest.received_path("r2", "round-3") is None
+
+
 # ---- the coordinator's comparison ----------------------------------------------------
 
 

@@ -43,11 +43,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
+
+logger = logging.getLogger(__name__)
 
 # One tensor's digest, as hex; a round's digests map the trainer's names to them.
 TensorDigests = dict[str, str]
@@ -136,11 +140,32 @@ def replica_dir(replica_id: str) -> Path:
     return Path(tempfile.gettempdir()) / "rollout-digests" / safe
 
 
-def received_path(replica_id: str, round_id: str) -> str:
-    """The path prefix the agent names in a round's update info (``digest_path``)."""
-    d = replica_dir(replica_id)
-    d.mkdir(parents=True, exist_ok=True)
+def received_path(replica_id: str, round_id: str) -> Optional[str]:
+    """The path prefix the agent names in a round's update info (``digest_path``), in a
+    directory only this user can enter; None (digests not collected, logged) where that
+    directory is not private."""
+    try:
+        d = _private_dir(replica_dir(replica_id))
+    except PermissionError as e:
+        logger.error("received-bytes digests are not collected: %s", e)
+        return None
     return str(d / round_id)
+
+
+def _private_dir(path: Path) -> Path:
+    """``path`` (and its parent) as directories only this user can write: made 0700 where
+    absent; one that another user owns, that others may write, or that is a link is refused.
+    In a shared temporary directory another local user must not steer where the engine
+    writes, nor plant the test hook's marker."""
+    for d in (path.parent, path):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(d)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{d} is not a private directory of this user (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+    return path
 
 
 def _rank_file(path: str, rank: int) -> Path:
