@@ -163,12 +163,21 @@ async def test_turns_of_a_session_stay_on_one_replica(scaling_app):
     assert len(set().union(*placement.values())) == 2, "sessions spread over both replicas"
 
 
+def _cluster() -> str:
+    """This session's cluster, named: the state API otherwise looks for the one Ray
+    instance on the machine, and a cluster of another test beside this one (`rollout
+    serve`'s own) makes that fail with "Found multiple active Ray instances"."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
 def _engine_processes_of(replica_id: str) -> list[psutil.Process]:
     """The replica's child processes: vLLM's engine core and its workers. (All of them: a
     child's title, "VLLM::EngineCore", is not always visible by the time it is asked.)"""
     from ray.util.state import list_actors
 
-    (actor,) = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000) if a.name and a.name.endswith(f"#{replica_id}")]
+    (actor,) = [a for a in list_actors(address=_cluster(), filters=[("state", "=", "ALIVE")], limit=1000) if a.name and a.name.endswith(f"#{replica_id}")]
     children = psutil.Process(actor.pid).children(recursive=True)
     assert children, f"replica {replica_id} (pid {actor.pid}) has no engine processes"
     return children
@@ -208,4 +217,4 @@ def _replica_ids(app: str) -> set[str]:
     from ray.util.state import list_actors
 
     prefix = f"SERVE_REPLICA::{app}#{ENGINE}#"
-    return {a.name.split("#")[-1] for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000) if a.name and a.name.startswith(prefix)}
+    return {a.name.split("#")[-1] for a in list_actors(address=_cluster(), filters=[("state", "=", "ALIVE")], limit=1000) if a.name and a.name.startswith(prefix)}

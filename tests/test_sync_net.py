@@ -5,6 +5,7 @@ hosts (network namespaces) is in test_hosts_e2e.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import sys
 import time
@@ -174,8 +175,29 @@ def test_the_publishers_range_comes_from_its_environment_variable(monkeypatch):
         net.publisher_ports()
 
 
+def free_run(n: int) -> int:
+    """The first of ``n`` consecutive ports free now, below the kernel's ephemeral range
+    (where connections of other tests beside this one do not take ports by themselves)."""
+    import random
+
+    low = 20000
+    ephemeral = net.ephemeral_ports()
+    high = min(29999, ephemeral.low - n) if ephemeral is not None else 29999
+    for _ in range(200):
+        base = random.randint(low, high)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports in {low}-{high}")
+
+
 def test_a_free_port_of_a_range_skips_the_ones_taken_and_says_which_setting_is_exhausted():
-    base = net.free_port()  # a port free now; its neighbour is very likely free too
+    base = free_run(3)
     held = []
     try:
         for port in (base, base + 1):
@@ -200,7 +222,7 @@ def test_a_port_promised_to_a_rendezvous_not_listening_yet_is_not_picked_again()
     # The publisher names its copy's port before the round and binds it after: the
     # round's own rendezvous must not take it meanwhile (they shared one port in 1 of 10
     # publishes over a range of ten).
-    base = net.free_port()
+    base = free_run(2)
     r = net.PortRange(base, base + 1)
     assert {net.free_port(r, taken=(base,)) for _ in range(10)} == {base + 1}
     with pytest.raises(net.NoFreePort):

@@ -167,9 +167,9 @@ def test_the_rounds_rendezvous_never_takes_the_port_promised_to_the_coordinators
     # range of two, the copy holding one leaves the round the other, every time (in CI
     # they once shared a port of a ten-port range).
     import rollout.sync.publisher as publisher_module
-    from rollout.sync import net
+    from tests.test_sync_net import free_run
 
-    base = net.free_port()
+    base = free_run(2)
     monkeypatch.setenv("ROLLOUT_PUBLISHER_ADDRESS", "127.0.0.1")
     monkeypatch.setattr(publisher_module, "DECIDED_POLL_S", 0.1)
     for _ in range(5):
