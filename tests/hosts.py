@@ -346,9 +346,31 @@ class Hosts:
         (connections time out; nothing is refused). The trainer keeps its side link."""
         _ip("-n", self.net.ns, "link", "set", self._switch_port(host), "down")
 
-    def mend(self, host: Host) -> None:
-        """Plug ``host``'s cable back in (the bridge forwards at once: no STP)."""
+    def mend(self, host: Host, within_s: float = 15.0) -> None:
+        """Plug ``host``'s cable back in (the bridge forwards at once: no STP), and return
+        once ``host`` reaches the others again. Neighbour entries that failed while the
+        cable was out would otherwise answer the first connections after it with "No
+        route to host" (seen in CI right after a mend): they are flushed on every host, and
+        a connection from ``host`` must get through (refused counts: it was answered)."""
         _ip("-n", self.net.ns, "link", "set", self._switch_port(host), "up")
+        for h in (self.head, self.worker, self.trainer):
+            _ip("-n", h.ns, "neigh", "flush", "all", check=False)
+        peer = TRAINER_ADDRESS if host is self.head else HEAD_ADDRESS
+        probe = (
+            "import socket, sys\n"
+            "s = socket.socket(); s.settimeout(1)\n"
+            f"try: s.connect(({peer!r}, 9))\n"
+            "except ConnectionRefusedError: pass\n"
+            "except OSError as e: sys.exit(str(e))\n"
+        )
+        deadline = time.monotonic() + within_s
+        while True:
+            done = subprocess.run(host.argv(sys.executable, "-c", probe), capture_output=True, text=True)
+            if done.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{host.name} does not reach {peer} {within_s:.0f}s after its cable was plugged back in: {done.stderr.strip()[-300:]}")
+            time.sleep(0.2)
 
     def kill_ray(self, host: Host, sig: int = signal.SIGKILL) -> list[int]:
         """Send ``sig`` to every Ray process of ``host`` (raylet, GCS, agents, workers and
