@@ -30,7 +30,7 @@ class SentDigests:
 
     def add(self, packed: torch.Tensor, specs: Sequence[ParamSpec]) -> None:
         # Hashed from the packed bucket itself (the bytes sent), while gloo's thread
-        # broadcasts it: hashlib releases the GIL.
+        # broadcasts it: torch's reductions (rollout.sync.digest) release the GIL.
         t0 = time.perf_counter()
         digest.digest_all(unpack(packed, specs), into=self.digests)
         self.seconds += time.perf_counter() - t0
