@@ -3,6 +3,7 @@ against it before anything loads them. One process, real files, no Ray, no engin
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -240,3 +241,207 @@ def test_a_checkpoint_error_is_a_sync_error_that_pickles_and_answers_409_over_ht
     assert isinstance(back, SyncError)
     answer = wire_errors.encode(e)
     assert answer.status == 409 and "model-00002-of-00003.safetensors" in answer.body["error"]["message"]
+
+
+# ---- a publish through shared storage: coordinator, agents and publisher in one process ----
+
+
+class RecordingEngine:
+    """Stands in for vLLM's AsyncLLM: records the calls the agent makes (a reload loads nothing)."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def get_weight_version(self):
+        return "0"
+
+    def __getattr__(self, name):
+        async def call(*args, **kwargs):
+            self.calls.append((name, *args, *kwargs.values()))
+
+        return call
+
+
+class InProcess:
+    """The real coordinator, called in-process the way a Serve handle would."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+
+    def __getattr__(self, name):
+        return type("Method", (), {"remote": staticmethod(getattr(self.coordinator, name))})
+
+
+class FromThread:
+    """The publisher's blocking calls (it runs in a thread), answered by the coordinator on this loop."""
+
+    host = None
+
+    def __init__(self, coordinator, loop):
+        self.coordinator, self.loop = coordinator, loop
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def begin_storage(self, token, request):
+        return self._call(self.coordinator.begin_storage(token, request))
+
+    def finish(self, token, round_id, error, timeout_s=None, digests=None):
+        return self._call(self.coordinator.finish(token, round_id, error))
+
+    def status(self, timeout_s=None):
+        return self._call(self.coordinator.status())
+
+
+def checkpoint_of(model_dir: Path, directory: Path) -> Path:
+    write_checkpoint(load_file(model_dir / "model.safetensors"), directory, shard_bytes=256 << 10, source_dir=model_dir)
+    return directory
+
+
+def corrupted_copy(directory: Path, to: Path, shard: int = 1) -> str:
+    import shutil
+
+    shutil.copytree(directory, to)
+    victim = storage.read_manifest(to).shards[shard].file
+    data = bytearray((to / victim).read_bytes())
+    data[-1] ^= 0x40
+    (to / victim).write_bytes(bytes(data))
+    return victim
+
+
+async def settled(*agents, timeout_s: float = 5.0) -> None:
+    """Until no agent is in a round."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while any(a._incoming is not None for a in agents) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+
+
+async def test_a_storage_publish_is_verified_by_every_replica_before_it_reloads_and_a_corrupted_one_loads_nowhere(model_dir, tmp_path):
+    import asyncio as aio
+
+    from rollout.sync.agent import SyncAgent
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+    from rollout.sync.protocol import StorageRequest
+    from rollout.sync.publisher import WeightPublisher
+
+    good = checkpoint_of(model_dir, tmp_path / "policy-v1")
+    assert len(storage.read_manifest(good).shards) > 1
+    bad = tmp_path / "policy-v1-bad"
+    victim = corrupted_copy(good, bad)
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5, "require_token": False}}, "nccl")
+    engines = {rid: RecordingEngine() for rid in "ab"}
+    agents = {rid: SyncAgent(engine=e, coordinator=InProcess(coordinator), replica_id=rid, ranks=1, model_path=str(model_dir)) for rid, e in engines.items()}
+    for agent in agents.values():
+        await agent.start()
+    publisher = WeightPublisher(FromThread(coordinator, aio.get_running_loop()), "auto", None)
+    try:
+        # The trainer's own check: refused before any round opens, naming the shard.
+        with pytest.raises(CheckpointError) as e:
+            await aio.to_thread(publisher.publish_checkpoint, bad)
+        assert (e.value.file, e.value.problem) == (victim, "digest")
+        assert coordinator.rounds.current is None and all(e.calls == [] for e in engines.values())
+        (tmp_path / "being-written").mkdir()
+        with pytest.raises(CheckpointError, match="not complete"):
+            await aio.to_thread(publisher.publish_checkpoint, tmp_path / "being-written")
+        with pytest.raises(InvalidRequestError, match="directory.*absolute"):
+            await aio.to_thread(publisher.publish_checkpoint, "relative/policy")
+
+        # A round whose replicas find the checkpoint corrupted (their mount differs, or it
+        # changed after the trainer checked it): nothing loads, the round aborts at the
+        # first refusal naming the replica and the shard, and every replica keeps the
+        # committed version.
+        specs = tuple(checkpoint_spec(model_dir))
+        plan = await coordinator.begin_storage(None, StorageRequest(str(bad), storage.manifest_id(bad), specs))
+        outcome = await aio.wait_for(coordinator.finish(None, plan.round_id), 10)
+        await settled(*agents.values())
+        assert not outcome.committed and outcome.version == 0 and outcome.failed_replicas
+        assert all(f"{rid}: CheckpointError: checkpoint {bad}: {victim}: sha256" in outcome.error for rid in outcome.failed_replicas)
+        for rid, engine in engines.items():
+            assert [c[0] for c in engine.calls] == ["pause_generation", "resume_generation"], rid
+            assert agents[rid].version == 0 and not agents[rid].broken
+            engine.calls.clear()
+
+        # A good one: every replica verifies, reloads it, and serves the new version.
+        assert await aio.to_thread(publisher.publish_checkpoint, good) == 1
+        assert set(publisher.last_phases) == {"verify", "open", "commit"}
+        for rid, engine in engines.items():
+            assert [c[0] for c in engine.calls] == ["pause_generation", "collective_rpc", "update_weight_version", "resume_generation"], rid
+            assert engine.calls[1] == ("collective_rpc", "reload_weights", {"weights_path": str(good)})
+            assert agents[rid].version == 1
+        status = await coordinator.status()
+        assert status["committed_version"] == 1 and status["recent_rounds"][-1]["round_id"].startswith("storage-1-")
+
+        # It is what a replica that starts later reloads, verified against the same manifest.
+        late = RecordingEngine()
+        c = SyncAgent(engine=late, coordinator=InProcess(coordinator), replica_id="c", ranks=1, model_path=str(model_dir))
+        await c.start()
+        c.stop()
+        assert c.version == 1 and not c.broken
+        assert ("collective_rpc", "reload_weights", {"weights_path": str(good)}) in late.calls
+        # Rewritten since (another write of the same directory): refused, nothing loads.
+        (good / storage.MANIFEST_NAME).write_text((good / storage.MANIFEST_NAME).read_text() + " ")
+        later = RecordingEngine()
+        d = SyncAgent(engine=later, coordinator=InProcess(coordinator), replica_id="d", ranks=1, model_path=str(model_dir))
+        await d.start()
+        d.stop()
+        assert d.version == 0 and "weights are not the committed version" in d.broken
+        assert not [call for call in later.calls if call[0] == "collective_rpc"]
+    finally:
+        for agent in agents.values():
+            agent.stop()
+
+
+async def test_a_storage_publish_is_checked_like_any_publish_and_forgets_the_kept_transfer_group(model_dir):
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.coordinator import WeightSyncCoordinator
+    from rollout.sync.protocol import RoundRequest, StorageRequest
+
+    coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, "require_token": False}}, "nccl")
+    specs = tuple(checkpoint_spec(model_dir))
+    await coordinator.register("a", 1, 0, list(specs))
+    bad = [
+        (StorageRequest("/shared/v1", "0" * 64, specs[1:]), "missing"),
+        (StorageRequest("shared/v1", "0" * 64, specs), "checkpoint.*absolute"),
+        (StorageRequest("/shared/v1", "0" * 64, specs, version=0), "version"),
+    ]
+    for request, words in bad:
+        with pytest.raises(InvalidRequestError, match=words):
+            await coordinator.begin_storage(None, request)
+    assert coordinator.rounds.current is None
+
+    async def commit(plan):
+        asyncio.get_running_loop().create_task(coordinator.report(plan.round_id, "a", None))
+        finish = asyncio.create_task(coordinator.finish(None, plan.round_id))
+        await asyncio.sleep(0.05)
+        await coordinator.applied(plan.round_id, "a", plan.version)
+        assert (await finish).committed
+
+    push = await coordinator.begin_round(None, RoundRequest(specs, "127.0.0.1", 1001))
+    await commit(push)
+    storage_plan = await coordinator.begin_storage(None, StorageRequest("/shared/v2", "ab" * 32, specs))
+    assert (storage_plan.kind, storage_plan.version, storage_plan.checkpoint, storage_plan.manifest) == ("storage", 2, "/shared/v2", "ab" * 32)
+    await commit(storage_plan)
+    again = await coordinator.begin_round(None, RoundRequest(specs, "127.0.0.1", 1002, reuse_group=push.group))
+    assert again.transfer.group_name == "", "the replicas forgot the group in the storage round: a new one forms"
+    await coordinator.report(again.round_id, "a", "receive failed")  # aborts: version 2 stays committed
+    # Restores reload the committed checkpoint, verified against its manifest.
+    plan = await coordinator.restore("a")
+    assert (plan.kind, plan.checkpoint, plan.manifest, plan.version) == ("reload", "/shared/v2", "ab" * 32, 2)
+
+
+def test_a_storage_round_travels_over_http_as_it_was_asked_and_the_schema_documents_its_route():
+    from pydantic import ValidationError
+
+    from rollout.http.ingress import app
+    from rollout.sync.protocol import ParamSpec, StorageRequest
+    from rollout.sync.remote import StorageRoundBody
+
+    request = StorageRequest("/shared/v7", "ab" * 32, (ParamSpec("w", "float32", (2, 3)),), version=7)
+    body = StorageRoundBody.of(request).model_dump(mode="json")
+    assert StorageRoundBody.model_validate(body).request() == request
+    for field, value in (("checkpoint", "shared/v7"), ("manifest", "not-a-digest"), ("params", [])):
+        with pytest.raises(ValidationError, match=field):
+            StorageRoundBody.model_validate({**body, field: value})
+    route = app.openapi()["paths"]["/v1/sync/storage-rounds"]["post"]
+    assert "409" in route["responses"] and "StorageRoundBody" in str(route["requestBody"])

@@ -536,3 +536,57 @@ async def test_a_replica_that_received_corrupted_bytes_is_caught_named_and_every
     assert status["committed_digest"]["digest"] != sent["digest"]
     assert {rid: r["received"] for rid, r in status["replicas"].items()} == {rid: status["committed_digest"] for rid in status["replicas"]}
     await assert_every_replica_serves(handle_client, reference_v2, replicas, version=version)
+
+
+async def test_a_checkpoint_published_through_shared_storage_is_what_every_replica_serves_and_a_corrupted_one_loads_nowhere(
+    publisher, platform, policy_v1, reference_v1, handle_client, base_url, model_dir, tmp_path
+):
+    """A trainer with no network path to the engines (rollout.sync.storage): it writes a
+    checkpoint, manifest last, and publishes its path over HTTP; every replica verifies
+    it against the manifest, then reloads it itself. Nothing travels between them."""
+    from rollout.sync.checkpoint import checkpoint_spec
+    from rollout.sync.protocol import StorageRequest
+    from rollout.sync.remote import HttpCoordinator
+    from rollout.sync.storage import CheckpointError, manifest_id, read_manifest, write_checkpoint
+    from tests.conftest import API_KEY
+
+    model_v1, _ = policy_v1
+    good = tmp_path / "storage-v1"
+    manifest = await asyncio.to_thread(write_checkpoint, model_v1.named_parameters(), good, shard_bytes=1 << 20, source_dir=model_dir)
+    assert len(manifest.shards) > 1
+    bad = tmp_path / "storage-v1-corrupted"
+    shutil.copytree(good, bad)
+    victim = read_manifest(bad).shards[-1].file
+    data = bytearray((bad / victim).read_bytes())
+    data[-1] ^= 0x40  # one bit of the last tensor
+    (bad / victim).write_bytes(bytes(data))
+    status = await _sync_status(base_url)
+    committed, replicas = status["committed_version"], len(status["replicas"])
+    before = await handle_client.generate([greedy(p, 16) for p in PROMPTS])
+    trainer = WeightPublisher.http(base_url, api_key=API_KEY, token=SYNC_TOKEN)
+
+    # The trainer's own check refuses it before any round opens, naming the shard.
+    with pytest.raises(CheckpointError) as refused:
+        await asyncio.to_thread(trainer.publish_checkpoint, bad)
+    assert (refused.value.file, refused.value.problem) == (victim, "digest")
+    # Replicas that find it corrupted (their mount differs, or it changed after the trainer
+    # checked it) load nothing: the round aborts naming the replica and the shard.
+    coordinator = HttpCoordinator(base_url, API_KEY, 120)
+    plan = await asyncio.to_thread(coordinator.begin_storage, SYNC_TOKEN, StorageRequest(str(bad), manifest_id(bad), tuple(checkpoint_spec(bad))))
+    outcome = await asyncio.to_thread(coordinator.finish, SYNC_TOKEN, plan.round_id, None)
+    assert not outcome.committed and outcome.version == committed and outcome.failed_replicas
+    assert all(f"{rid}: CheckpointError: checkpoint {bad}: {victim}: sha256" in outcome.error for rid in outcome.failed_replicas), outcome.error
+    after = await handle_client.generate([greedy(p, 16) for p in PROMPTS])
+    assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in before]
+    assert [r.samples[0].weight_versions for r in after] == [r.samples[0].weight_versions for r in before]
+    assert all(r["version"] == committed for r in (await _sync_status(base_url))["replicas"].values())
+
+    # The good one: every replica serves exactly what a fresh engine on those weights does.
+    version = await asyncio.to_thread(trainer.publish_checkpoint, good)
+    assert version == committed + 1 and set(trainer.last_phases) == {"verify", "open", "commit"}
+    await assert_every_replica_serves(handle_client, reference_v1, replicas, version=version)
+    status = await _sync_status(base_url)
+    assert status["recent_rounds"][-1]["round_id"].startswith(f"storage-{version}-") and status["recent_rounds"][-1]["committed"]
+    assert all(r["version"] == version for r in status["replicas"].values())
+    # Leave the app as a push leaves it (its copy, not this directory, serves restores).
+    assert await asyncio.to_thread(publisher.publish, model_v1.named_parameters()) == version + 1

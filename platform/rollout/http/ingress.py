@@ -22,7 +22,7 @@ from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.sync.auth import SYNC_TOKEN_HEADER, AccessPolicy, Operation, SyncAuth
 from rollout.sync.coordinator_client import CoordinatorHandle
 from rollout.sync.protocol import SyncError
-from rollout.sync.remote import OUTCOME, PLAN, BeginRoundBody, FinishBody
+from rollout.sync.remote import OUTCOME, PLAN, STORAGE_PLAN, BeginRoundBody, FinishBody, StorageRoundBody
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +220,12 @@ class HttpIngress(VllmRlRoutes):
     async def sync_begin(self, body: BeginRoundBody, token: SyncCredential) -> dict:
         plan = await self._coordinator().begin_round(token, body.request())
         return PLAN.dump_python(plan, mode="json")
+
+    @app.post("/v1/sync/storage-rounds", responses=SYNC_ERRORS)
+    async def sync_begin_storage(self, body: StorageRoundBody, token: SyncCredential) -> dict:
+        # Finished like any round: POST /v1/sync/rounds/{round_id}/finish.
+        plan = await self._coordinator().begin_storage(token, body.request())
+        return STORAGE_PLAN.dump_python(plan, mode="json")
 
     @app.post("/v1/sync/rounds/{round_id}/finish", responses=SYNC_ERRORS)
     async def sync_finish(self, round_id: str, body: FinishBody, token: SyncCredential) -> dict:

@@ -5,8 +5,11 @@ Per round: ``pause_generation(mode)`` → ``init_weight_transfer_engine`` →
 ``start_weight_update`` → ``update_weights`` (receives every bucket) →
 ``finish_weight_update`` while the coordinator decides → on commit
 ``update_weight_version(version)`` → ``resume_generation``.
-A reload round from a committed checkpoint replaces the transfer steps with vLLM's
-``reload_weights(weights_path)`` and the finish with ``update_weight_version``.
+A reload round from a committed checkpoint, and a storage round (a publish through
+shared storage), replace the transfer steps with vLLM's ``reload_weights(weights_path)``
+and the finish with ``update_weight_version``; a checkpoint with a manifest is verified
+against it first (:func:`rollout.sync.storage.verify_checkpoint`), so an incomplete or
+corrupted one is never loaded.
 Generation stays paused from before the first tensor arrives until the round is
 decided, so no token is ever computed on a mix of two versions.
 
@@ -51,8 +54,10 @@ from rollout.sync.protocol import (
     RoundOutcome,
     SessionPlan,
     SessionRound,
+    StorageRound,
 )
 from rollout.sync.salt import CacheSalts
+from rollout.sync.storage import verify_checkpoint
 from rollout.sync.version import version_of
 
 if TYPE_CHECKING:
@@ -431,6 +436,9 @@ class SyncAgent:
         """
         limits = _Limits.of(plan)
         clock = PhaseClock()
+        # Before the pause: generation goes on while the checkpoint is read (and before the
+        # salts' pause, so requests handed over meanwhile keep the version they run under).
+        refused = await self._verify(plan, clock, limits)
         # Given back below only by a publish round this replica serves.
         kept, self._engine_group = self._engine_group, None
         # Under a trainer's /pause, pause again in "keep": it aborts nothing the hold keeps
@@ -448,7 +456,7 @@ class SyncAgent:
         try:
             async with clock("pause"):
                 await asyncio.wait_for(pause_for_update(self.engine, mode, clear_cache=flush), limits.round_s)
-            moved = await self._transfer(plan, clock, limits, kept)
+            moved = refused if refused is not None else await self._transfer(plan, clock, limits, kept)
             decision = await self._decide(plan, moved, clock, limits)
             if decision.serving:
                 self._engine_group = moved.joined
@@ -471,7 +479,7 @@ class SyncAgent:
         moved = _Transferred()
         try:
             match plan:
-                case ReloadRound():
+                case ReloadRound() | StorageRound():
                     await self._reload(plan, moved, clock, limits)
                 case SessionRound():
                     await self._receive_in_session(plan, moved, clock, limits)
@@ -495,14 +503,35 @@ class SyncAgent:
             moved.error = f"{type(e).__name__}: {e}"
         if moved.error is not None:
             logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, moved.error)
-        elif not isinstance(plan, ReloadRound):
+        elif not isinstance(plan, (ReloadRound, StorageRound)):
             # vLLM's finish (the layerwise reload's finalization) does not depend on the
             # decision: it runs while the coordinator decides, and only the version label
             # waits for the commit. After an abort the weights are restored either way.
             moved.finishing = asyncio.ensure_future(asyncio.wait_for(self.engine.finish_weight_update(), limits.step_s))
         return moved
 
-    async def _reload(self, plan: ReloadRound, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
+    async def _verify(self, plan: Round, clock: PhaseClock, limits: _Limits) -> Optional[_Transferred]:
+        """Check a checkpoint this round reloads against its manifest (a storage publish's,
+        or a restore from one), before anything pauses or loads. A checkpoint that is
+        incomplete, corrupted or not the write the publisher verified fails the round
+        (a CheckpointError naming the file) and the weights stay the committed ones: what
+        the transfer step leaves when it fails before loading. None: nothing to check, or
+        the checkpoint is whole."""
+        manifest = plan.manifest if isinstance(plan, (ReloadRound, StorageRound)) else ""
+        if not manifest:
+            return None
+        try:
+            async with clock("verify"):
+                await asyncio.wait_for(asyncio.to_thread(verify_checkpoint, plan.checkpoint, expect_manifest=manifest), limits.step_s)
+            return None
+        except asyncio.TimeoutError:
+            error = f"verifying {plan.checkpoint} did not finish within {limits.step_s:.0f}s (sync.timeout_s)"
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        logger.error("replica %s: %s refused: %s", self.replica_id, plan.round_id, error)
+        return _Transferred(error=error)
+
+    async def _reload(self, plan: Union[ReloadRound, StorageRound], moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
         moved.loaded = True  # vLLM reloads into the live model too
         async with clock("reload"):
             await asyncio.wait_for(self.engine.collective_rpc("reload_weights", kwargs={"weights_path": plan.checkpoint}), limits.step_s)
@@ -606,7 +635,7 @@ class SyncAgent:
         # (or a failed finish) the weights are a mix of two versions and must not serve.
         why = decision.finish_error if decision.outcome.committed else f"aborted mid-transfer ({decision.outcome.error})"
         logger.error("replica %s: %s %s; restoring", self.replica_id, plan.round_id, why)
-        if moved.finishing is None and not isinstance(plan, ReloadRound):
+        if moved.finishing is None and not isinstance(plan, (ReloadRound, StorageRound)):
             await self._close_update(limits.round_s)
         return False
 

@@ -26,7 +26,7 @@ from rollout.config import PlatformConfig
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
 from rollout.sync.membership import Membership
-from rollout.sync.protocol import REREGISTER, Control, ParamSpec, PauseMode, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan
+from rollout.sync.protocol import REREGISTER, Control, ParamSpec, PauseMode, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.sync.rounds import Rounds
 from rollout.sync.sessions import RouteSessions
 from rollout.sync.store import CommittedWeights
@@ -110,6 +110,13 @@ class WeightSyncCoordinator:
         Once committed, restores reload ``request.checkpoint`` (see :meth:`restore`)."""
         await self._authorize(token)
         return await self.rounds.push(request)
+
+    async def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound:
+        """Validate a publish through shared storage and open its round: every replica
+        verifies the checkpoint against its manifest, then reloads it; the publisher's
+        :meth:`finish` (no error) lets it decide. Once committed, restores reload it too."""
+        await self._authorize(token)
+        return await self.rounds.storage(request)
 
     async def restore(self, replica_id: str) -> Union[PullRound, ReloadRound]:
         """Open a round that brings one replica to the committed weights.

@@ -20,7 +20,7 @@ from rollout.errors import unwrap_remote
 from rollout.sync.protocol import Control, CoordinatorUnreachableError, SyncError
 
 if TYPE_CHECKING:
-    from rollout.sync.protocol import ParamSpec, PauseMode, PushRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan
+    from rollout.sync.protocol import ParamSpec, PauseMode, PushRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 
     NextRound = Union[Round, SessionPlan, Control, Reregister, None]
 
@@ -80,6 +80,9 @@ class CoordinatorHandle:
 
     async def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound:
         return await _answer(self._handle.begin_round.remote(token, request))
+
+    async def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound:
+        return await _answer(self._handle.begin_storage.remote(token, request))
 
     async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
         return await _answer(self._handle.finish.remote(token, round_id, error, *_trailing(digests)))
@@ -157,6 +160,9 @@ class BlockingCoordinatorHandle:
 
     def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound:
         return self._result(lambda: self.handle.begin_round.remote(token, request), "begin_round", None)
+
+    def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound:
+        return self._result(lambda: self.handle.begin_storage.remote(token, request), "begin_storage", None)
 
     def finish(
         self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None

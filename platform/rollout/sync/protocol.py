@@ -111,6 +111,20 @@ class RoundRequest:
 
 
 @dataclass(frozen=True)
+class StorageRequest:
+    """What a publisher asks for when the weights are a checkpoint on shared storage
+    (written by :func:`rollout.sync.storage.write_checkpoint`, its manifest last): every
+    replica verifies the directory against its manifest, then reloads it."""
+
+    checkpoint: str  # absolute path every replica reads
+    # The sha256 of the manifest the publisher verified (rollout.sync.storage.manifest_id):
+    # replicas load that write of the directory and no other.
+    manifest: str
+    params: tuple[ParamSpec, ...]  # what its shards hold: checked against the served model
+    version: Optional[int] = None  # default: the committed version + 1
+
+
+@dataclass(frozen=True)
 class Member:
     replica_id: str
     rank_offset: int
@@ -230,6 +244,10 @@ class ReloadRound(_RoundBase):
 
     kind: Literal["reload"] = field(default="reload", init=False)
     checkpoint: str
+    # The manifest id of a checkpoint a storage publish committed: the member verifies the
+    # directory against it before reloading. Empty: a directory a push named
+    # (``RoundRequest.checkpoint``, e.g. ``save_pretrained``), reloaded as it is.
+    manifest: str = ""
 
     @property
     def pause_mode(self) -> PauseMode:
@@ -238,6 +256,23 @@ class ReloadRound(_RoundBase):
     def __post_init__(self) -> None:
         if not self.checkpoint:
             raise ValueError(f"{self.round_id}: a reload round needs the checkpoint directory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageRound(_RoundBase):
+    """A trainer's publish through shared storage (:class:`StorageRequest`): every member
+    verifies the checkpoint against its manifest, then reloads it with vLLM's
+    ``reload_weights``; nothing is sent. A member that finds it incomplete or corrupted
+    loads nothing and fails the round."""
+
+    kind: Literal["storage"] = field(default="storage", init=False)
+    checkpoint: str
+    manifest: str
+    pause_mode: PauseMode
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint or not self.manifest:
+            raise ValueError(f"{self.round_id}: a storage round needs the checkpoint directory and its manifest id")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,7 +287,7 @@ class SessionRound(_TransferRound):
     keeper_rank: Optional[int] = None  # the coordinator's copy receives in the round as this rank
 
 
-Round = Union[PushRound, PullRound, ReloadRound, SessionRound]
+Round = Union[PushRound, PullRound, ReloadRound, StorageRound, SessionRound]
 RESTORE_ROUNDS = (PullRound, ReloadRound)  # bring one member back to the committed version
 
 

@@ -6,6 +6,11 @@
 The publisher joins each round's group as rank 0 (the sender); the coordinator tells
 it the world size and every replica's rank offset. Names, shapes and dtypes are
 checked by the coordinator before any replica changes weights.
+
+A trainer with no network path to the engines publishes through shared storage instead:
+
+    write_checkpoint(model.named_parameters(), "/shared/policy-v7", source_dir=base)
+    version = publisher.publish_checkpoint("/shared/policy-v7")   # every replica reloads it
 """
 
 from __future__ import annotations
@@ -18,12 +23,26 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
+from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import make_sender
 from rollout.sync.backends.base import CopySender, Sender
-from rollout.sync.protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, CoordinatorUnreachableError, ParamSpec, PublisherUnreachableError, PushRound, RoundOutcome, RoundRequest, SyncError
+from rollout.sync.protocol import (
+    COORDINATOR_NAME,
+    SYNC_TOKEN_ENV,
+    CoordinatorUnreachableError,
+    ParamSpec,
+    PublisherUnreachableError,
+    PushRound,
+    RoundOutcome,
+    RoundRequest,
+    StorageRequest,
+    StorageRound,
+    SyncError,
+)
 from rollout.sync.coordinator_client import BlockingCoordinatorHandle
 from rollout.sync.remote import CoordinatorClient, HttpCoordinator
+from rollout.sync.storage import checkpoint_params, manifest_id, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +64,7 @@ DECIDED_ASK_S = 5.0
 FINISH_MARGIN_S = 10.0
 
 
-def _finish_bound_s(plan: PushRound, error: Optional[str], since_open_s: float) -> float:
+def _finish_bound_s(plan: Union[PushRound, StorageRound], error: Optional[str], since_open_s: float) -> float:
     """How long the finish call may take before the coordinator counts as lost. It decides
     an abort at once; a commit by the round's deadline (three steps from opening) and then
     waits one more step for the members to serve it. Beyond that nothing is slow: the
@@ -268,6 +287,57 @@ class WeightPublisher:
                 "version %d committed, but %s did not confirm serving it within the step deadline (last_outcome.unconfirmed)",
                 outcome.version,
                 outcome.unconfirmed,
+            )
+        return outcome.version
+
+    def publish_checkpoint(self, directory: Union[str, os.PathLike], version: Optional[int] = None) -> int:
+        """Publish the checkpoint at ``directory`` (absolute, on storage every replica
+        mounts, written by :func:`rollout.sync.storage.write_checkpoint`, its manifest
+        last); return the committed version once every replica serves it. Nothing travels
+        between this process and the replicas: each replica verifies the directory
+        against its manifest, then reloads it with vLLM's ``reload_weights``. Once
+        committed it is also what replicas that start later, or roll back, reload.
+
+        Raises :class:`~rollout.sync.storage.CheckpointError` (a ``SyncError``) naming the
+        shard, before any replica changes, when the checkpoint is incomplete (no manifest
+        yet) or corrupted (a shard missing, of another size or digest): this process
+        verifies it first (it reads every byte once). A replica that finds it otherwise
+        (its mount differs, or the directory changed since) loads nothing and fails the
+        round: every replica keeps the committed version, and the ``SyncError`` names the
+        replica and the shard. ``InvalidRequestError`` as :meth:`publish` (names, shapes,
+        dtypes, version).
+        """
+        t0 = time.perf_counter()
+        directory = os.fspath(directory)
+        if not os.path.isabs(directory):
+            raise InvalidRequestError("directory", f"{directory!r} must be an absolute path that every replica can read")
+        # The manifest id pins this write: replicas load it and no later rewrite of the directory.
+        published = manifest_id(directory)
+        manifest = verify_checkpoint(directory, expect_manifest=published)
+        request = StorageRequest(checkpoint=directory, manifest=published, params=tuple(checkpoint_params(directory, manifest)), version=version)
+        self._platform_backend()
+        self.flush()  # the coordinator's copy of the last push, sent before this commit
+        t_verified = time.perf_counter()
+        plan = self._coordinator.begin_storage(self._token, request)
+        t_open = time.perf_counter()
+        try:
+            # Nothing to send: the finish lets the round decide once every member reloaded.
+            outcome = self._coordinator.finish(self._token, plan.round_id, None, timeout_s=_finish_bound_s(plan, None, 0.0))
+        except CoordinatorUnreachableError as e:
+            raise CoordinatorUnreachableError(
+                f"{plan.round_id}: {e}. The round is decided without this publisher: it aborts at its deadline (replicas keep the "
+                "committed version) unless the finish reached the coordinator; status() has the committed version once it answers"
+            ) from None
+        t_done = time.perf_counter()
+        self.last_phases = {"verify": t_verified - t0, "open": t_open - t_verified, "commit": t_done - t_open}
+        self.last_outcome = outcome
+        self.last_group_kept = False
+        if not outcome.committed:
+            raise SyncError(f"{plan.round_id} aborted: {outcome.error}; replicas keep version {outcome.version}")
+        self.last_sync_s = t_done - t0
+        if outcome.unconfirmed:
+            logger.warning(
+                "version %d committed, but %s did not confirm serving it within the step deadline (last_outcome.unconfirmed)", outcome.version, outcome.unconfirmed
             )
         return outcome.version
 

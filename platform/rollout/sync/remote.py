@@ -12,10 +12,11 @@ from rollout.api import NonNegativeInt, _integral
 from rollout.errors import InvalidRequestError
 from rollout.sync.auth import SYNC_TOKEN_HEADER
 from rollout.sync.coordinator_client import BlockingCoordinatorHandle
-from rollout.sync.protocol import CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, SyncError
+from rollout.sync.protocol import CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, StorageRequest, StorageRound, SyncError
 from rollout.wire_errors import decode
 
 PLAN = TypeAdapter(PushRound)  # begin_round's answer: a publish round
+STORAGE_PLAN = TypeAdapter(StorageRound)  # begin_storage's answer
 OUTCOME = TypeAdapter(RoundOutcome)
 
 
@@ -75,6 +76,25 @@ class BeginRoundBody(BaseModel):
         return RoundRequest(**{k: getattr(self, k) for k in type(self).model_fields if k != "params"}, params=tuple(p.spec() for p in self.params))
 
 
+class StorageRoundBody(BaseModel):
+    """Body of ``POST /v1/sync/storage-rounds``: publish a checkpoint that every replica
+    reads on shared storage (``WeightPublisher.publish_checkpoint``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    checkpoint: str = Field(min_length=1, pattern="^/", description="Absolute path of the checkpoint (rollout.sync.storage's layout, its manifest written last) on storage every replica reads.")
+    manifest: str = Field(pattern="^[0-9a-f]{64}$", description="The sha256 of its `rollout-manifest.json`: replicas load that write of the directory and no other.")
+    params: list[SyncParam] = Field(min_length=1, description="The parameters its shards hold; they must be the served model's.")
+    version: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(default=None, description="Above the committed version; default: the committed version + 1.")
+
+    @classmethod
+    def of(cls, request: StorageRequest) -> "StorageRoundBody":
+        params = [SyncParam(name=p.name, dtype=p.dtype, shape=list(p.shape)) for p in request.params]
+        return cls(checkpoint=request.checkpoint, manifest=request.manifest, params=params, version=request.version)
+
+    def request(self) -> StorageRequest:
+        return StorageRequest(checkpoint=self.checkpoint, manifest=self.manifest, params=tuple(p.spec() for p in self.params), version=self.version)
+
+
 class FinishBody(BaseModel):
     """Body of ``POST /v1/sync/rounds/{round_id}/finish``: the trainer sent everything
     (``error`` null) or gives up, which aborts the round."""
@@ -95,6 +115,8 @@ class CoordinatorClient(Protocol):
     # Every call raises CoordinatorUnreachableError when the coordinator does not answer
     # within ``timeout_s`` (default: the client's own bound).
     def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound: ...
+
+    def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound: ...
 
     def finish(
         self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
@@ -143,6 +165,10 @@ class HttpCoordinator:
     def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound:
         body = BeginRoundBody.of(request).model_dump(mode="json")
         return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
+
+    def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound:
+        body = StorageRoundBody.of(request).model_dump(mode="json")
+        return STORAGE_PLAN.validate_python(self._post("/v1/sync/storage-rounds", body, token))
 
     def finish(
         self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None

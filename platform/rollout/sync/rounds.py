@@ -36,6 +36,8 @@ from rollout.sync.protocol import (
     RoundOutcome,
     RoundRequest,
     SessionRound,
+    StorageRequest,
+    StorageRound,
     SyncError,
     Transfer,
 )
@@ -63,7 +65,8 @@ class RoundState:
     copy_rank: Optional[int] = None
     copy_reported: bool = False
     copy_error: Optional[str] = None
-    # The sender: the trainer, or the coordinator's copy in a pull round; a reload round has none.
+    # The sender: the trainer, or the coordinator's copy in a pull round; a reload round has
+    # none (a storage round's trainer sends nothing either: its finish says go).
     sender_done: bool = False
     sender_error: Optional[str] = None
     # Per-tensor digests (rollout.sync.digest) of what the sender sent, and of what each
@@ -314,6 +317,33 @@ class Rounds:
             copy=CopyGroup(request.copy_group, request.copy_port) if copy_after else None,
         )
 
+    async def storage(self, request: StorageRequest) -> StorageRound:
+        """Validate a publish through shared storage and open its round: every live replica
+        verifies the checkpoint against its manifest, then reloads it. No replica changes
+        before this succeeds. With no live replica it commits on the publisher's finish,
+        and replicas that start later reload the checkpoint."""
+        if self.membership.params is None:
+            raise SyncError("no engine replica has registered yet")
+        check_spec(list(request.params), self.membership.params)
+        if not request.checkpoint:
+            raise InvalidRequestError("checkpoint", "a storage publish names the directory every replica reloads")
+        self.store.check_checkpoint(request.checkpoint)
+        self._check_version(request.version)
+        async with self.opening():
+            self._check_version(request.version)  # again: a round may have committed while this one waited
+            version = self.store.version + 1 if request.version is None else request.version
+            members, _ = assign_ranks(self.live())
+            plan = StorageRound(
+                **self.fields("storage", version, members, params=request.params),
+                checkpoint=request.checkpoint,
+                manifest=request.manifest,
+                pause_mode=self.sync.pause_mode,
+            )
+            self.store.offered(plan.round_id, request.checkpoint, request.manifest)
+            self.open(plan)
+        logger.info("opened %s: version %d to %d replicas from %s", plan.round_id, plan.version, len(plan.members), plan.checkpoint)
+        return plan
+
     async def restore(self, replica_id: str) -> Union[PullRound, ReloadRound]:
         """Open a round that brings one replica to the committed weights, from whichever
         source the store names (see :mod:`rollout.sync.store`)."""
@@ -438,7 +468,8 @@ class Rounds:
         self.store.decided(plan, committed, rnd.version)
         received = {rid: digests_.combine(d) for rid, d in rnd.received.items()}
         if committed:
-            if isinstance(plan, PushRound) or isinstance(plan, SessionRound):
+            # A storage round sent nothing: no digest names the committed bytes any more.
+            if isinstance(plan, (PushRound, SessionRound, StorageRound)):
                 self.committed_digests = (rnd.version, rnd.sender_digests) if rnd.sender_digests is not None else None
                 self._committed_combined = digests_.combine(rnd.sender_digests) if rnd.sender_digests is not None else ""
             for rid, combined in received.items():
@@ -447,7 +478,9 @@ class Rounds:
             # Every participant keeps a committed round's group; after an abort some
             # have dropped it, so the next round forms a new one.
             self._kept = _KeptGroup.of(plan) if committed else None
-        elif isinstance(plan, SessionRound):
+        elif isinstance(plan, (SessionRound, StorageRound)):
+            # A storage round forms no group, but its members forget the one they held
+            # (an engine keeps it only across the publish rounds it serves).
             self._kept = None
         rnd.outcome = RoundOutcome(
             plan.round_id, committed, self.store.version, error or "", failed, unreachable="" if committed else rnd.unreachable,

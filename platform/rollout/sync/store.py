@@ -5,8 +5,10 @@ The one owner of restore and catch-up. A replica that starts behind the committe
 version (catch-up) or whose transfer broke off mid-way (rollback) gets, first that holds
 the committed version:
 
-* a :class:`ReloadRound`: the directory a publisher named (``RoundRequest.checkpoint``),
-  which the replica reloads itself with vLLM's ``reload_weights`` (any backend);
+* a :class:`ReloadRound`: the directory a publisher named (``RoundRequest.checkpoint``,
+  or the checkpoint of a storage publish, with its manifest id, which the replica
+  verifies first), which the replica reloads itself with vLLM's ``reload_weights`` (any
+  backend);
 * a :class:`PullRound`: the coordinator's own copy (where the backend keeps one, gloo's
   :class:`~rollout.sync.keeper.WeightKeeper`), which the coordinator sends;
 * else :class:`NoCommittedCopyError`: the next publish brings the weights.
@@ -23,7 +25,7 @@ from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import get_backend
 from rollout.sync.net import PortRange
-from rollout.sync.protocol import RESTORE_ROUNDS, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, Transfer
+from rollout.sync.protocol import RESTORE_ROUNDS, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +66,9 @@ class CommittedWeights:
         # from the replicas (:meth:`learn`), which keep it in their engines.
         self.version = 0
         self.keeper: Optional[CommittedCopy] = copy_for(backend, model_path)
-        self._offered: dict[str, str] = {}  # open publish round -> the directory its publisher named
-        self._checkpoint: Optional[tuple[int, str]] = None  # (version, directory) of the last commit that named one
+        # open publish round -> the directory its publisher named, and its manifest id ("": none)
+        self._offered: dict[str, tuple[str, str]] = {}
+        self._checkpoint: Optional[tuple[int, str, str]] = None  # (version, directory, manifest id) of the last commit that named one
         self._copy: Optional[asyncio.Task] = None  # the keeper receiving the last commit's copy
 
     @property
@@ -87,10 +90,11 @@ class CommittedWeights:
         if checkpoint is not None and not os.path.isabs(checkpoint):
             raise InvalidRequestError("checkpoint", f"{checkpoint!r} must be an absolute path that every replica can read")
 
-    def offered(self, round_id: str, checkpoint: Optional[str]) -> None:
-        """Publish round ``round_id``'s weights are also at ``checkpoint``: restores reload it once committed."""
+    def offered(self, round_id: str, checkpoint: Optional[str], manifest: str = "") -> None:
+        """Publish round ``round_id``'s weights are also at ``checkpoint``: restores reload it
+        once committed (verified against ``manifest``, its manifest id, where it has one)."""
         if checkpoint is not None:
-            self._offered[round_id] = checkpoint
+            self._offered[round_id] = (checkpoint, manifest)
 
     def copy_after(self, has_members: bool, copy_offered: bool) -> bool:
         """Whether a publish round's copy comes after the commit, over the group of two the
@@ -135,8 +139,10 @@ class CommittedWeights:
         if isinstance(plan, RESTORE_ROUNDS):
             return  # they bring back what is committed; nothing new to hold
         if committed:
-            self._checkpoint = (version, checkpoint) if checkpoint else None
-        if self.keeper is None:
+            self._checkpoint = (version, *checkpoint) if checkpoint else None
+        if self.keeper is None or isinstance(plan, StorageRound):
+            # A storage round sends nothing: the copy keeps the version it holds, and
+            # restores reload the committed checkpoint instead.
             return
         if committed and isinstance(plan, PushRound) and plan.copy is not None:
             self._copy = asyncio.get_running_loop().create_task(self._receive_copy(plan, version))
@@ -159,8 +165,9 @@ class CommittedWeights:
 
     # ---- restore and catch-up -----------------------------------------------------------
 
-    def _committed_checkpoint(self) -> Optional[str]:
-        return self._checkpoint[1] if self._checkpoint and self._checkpoint[0] == self.version else None
+    def _committed_checkpoint(self) -> Optional[tuple[str, str]]:
+        """(directory, manifest id) holding the committed version, or None."""
+        return self._checkpoint[1:] if self._checkpoint and self._checkpoint[0] == self.version else None
 
     async def ready_to_restore(self, replica_id: str) -> None:
         """Wait (up to a step deadline) for the copy of the last commit, if restores need it
@@ -178,7 +185,8 @@ class CommittedWeights:
         holding them; ``fields(kind, version, members)`` are the round's shared fields."""
         checkpoint = self._committed_checkpoint()
         if checkpoint is not None:
-            return ReloadRound(**fields("reload", self.version, (member,)), checkpoint=checkpoint)
+            directory, manifest = checkpoint
+            return ReloadRound(**fields("reload", self.version, (member,)), checkpoint=directory, manifest=manifest)
         self._check_copy_holds_committed(member.replica_id)
         port = net.free_port(self.rendezvous_ports, "sync.rendezvous_ports")
         return PullRound(**fields("restore", self.version, (member,)), transfer=Transfer(net.own_address(), port, 1 + member.ranks))
