@@ -120,6 +120,24 @@ def _fleet(m: dict[str, Any]) -> str:
     )
 
 
+def _digest(m: dict[str, Any]) -> str:
+    if not m:
+        return ""
+    shares = f"**{m.get('digest_share_of_publish_sender', 0):.0%} (trainer) and {m.get('digest_share_of_publish_replica', 0):.0%} (replica) of the steady publish** (goal < 5%)"
+    return (
+        f"{m.get('bytes', 0) / 1e9:.2f} GB in {m.get('tensors')} tensors from the host over gloo: publish {m.get('publish_s')} s "
+        f"(steady median {m.get('publish_steady_median_s')} s); digesting took {m.get('send_digest_s')} s on the trainer and "
+        f"{m.get('receive_digest_s')} s on the replica: {shares}; every replica's digest equal to the trainer's; greedy {m.get('greedy')}"
+    )
+
+
+_salt = _filled(
+    "a {prompt_tokens}-token prompt: {hits_same_version} tokens hit under the version that cached them, {hits_after_commit} of "
+    "{queries_after_commit} after a commit (greedy {greedy_after_commit} to a fresh engine on the new weights), "
+    "{hits_new_version_again} again under the new version"
+)
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -157,6 +175,14 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_fleet_publish_time_stays_flat_from_one_to_three_replicas": (
         "9. Many replicas: one trainer GPU publishes into 1, 2 and 3 TP=1 replicas (4 GPUs); publish time stays flat",
         _fleet,
+    ),
+    "test_a_gloo_publish_into_a_gpu_replica_is_digested_on_both_sides_and_serves_exactly_the_published_weights": (
+        "10. Fleet digest: a gloo publish from the host into a GPU replica, digested by the trainer and the replica (one GPU)",
+        _digest,
+    ),
+    "test_after_a_commit_a_long_prompt_is_not_served_from_the_old_versions_kv_on_the_gpu": (
+        "11. Prefix cache salted by weight version: after a commit no prompt is served from the old version's KV (one GPU)",
+        _salt,
     ),
 }
 
