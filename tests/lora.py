@@ -40,3 +40,35 @@ def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], config: dic
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors"))
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return str(directory)
+
+
+def reference_with_lora(max_model_len: int, kv_cache_memory_bytes: int, max_lora_rank: int):
+    """A fresh vLLM engine (``vllm.LLM``, in a Ray actor) with vLLM's LoRA support: what the
+    platform must answer like for a request naming an adapter."""
+    import ray
+    from ray import cloudpickle
+
+    import tests.lora
+
+    cloudpickle.register_pickle_by_value(tests.lora)  # workers cannot import the tests package
+    return ray.remote(num_cpus=0)(LoraReferenceLLM).remote(max_model_len, kv_cache_memory_bytes, max_lora_rank)
+
+
+class LoraReferenceLLM:
+    def __init__(self, max_model_len: int, kv_cache_memory_bytes: int, max_lora_rank: int):
+        self.args = dict(max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes, max_lora_rank=max_lora_rank)
+        self.llm = None
+
+    def start(self, model_path: str) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(model=model_path, dtype="float32", seed=0, enable_prefix_caching=True, enable_lora=True, max_loras=2, **self.args)
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int, adapter_dir: str | None = None, lora_id: int = 1) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest(f"reference-{lora_id}", lora_id, adapter_dir) if adapter_dir else None
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora_request=lora)
+        return [list(o.outputs[0].token_ids) for o in outs]

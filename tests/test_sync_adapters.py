@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout.errors import InvalidRequestError
-from rollout.sync.adapters import ServedAdapters, check_adapter, encode_tensors
+from rollout.sync.adapters import ServedAdapters, adapter_of, check_adapter, encode_tensors
 from rollout.sync.agent import SyncAgent
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.protocol import AdapterRequest, SyncError
@@ -34,6 +34,10 @@ def refused(model_dir, req: AdapterRequest, **kwargs) -> InvalidRequestError:
 
 def test_a_peft_adapter_of_the_served_model_passes(model_dir):
     check_adapter(request(model_dir), checkpoint_spec(str(model_dir)), max_rank=8, served_name="model")
+    # PEFT's LoraConfig.to_dict() keeps target_modules as a set: stored as adapter_config.json holds it.
+    as_peft = request(model_dir, config={"target_modules": {"q_proj", "v_proj", "down_proj"}})
+    check_adapter(as_peft, checkpoint_spec(str(model_dir)))
+    assert adapter_of(as_peft, 1).config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
 
 
 def test_bad_names_and_configs_are_refused_naming_the_field(model_dir):
@@ -212,8 +216,6 @@ async def test_with_lora_off_a_publish_is_refused_and_an_unknown_adapter_names_t
 
 async def test_a_staged_adapter_whose_bytes_differ_from_the_published_ones_is_not_loaded(model_dir):
     from dataclasses import replace
-
-    from rollout.sync.adapters import adapter_of
 
     adapters = ServedAdapters(LoraEngine(), "r")
     try:

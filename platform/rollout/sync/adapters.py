@@ -87,6 +87,24 @@ def read_header(data: bytes) -> dict[str, _TensorInfo]:
     return out
 
 
+def config_json(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as ``adapter_config.json`` holds it (PEFT's ``LoraConfig.to_dict()`` keeps
+    ``target_modules`` as a set: a sorted list here); :class:`InvalidRequestError` on
+    ``config`` for a value JSON cannot hold."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if isinstance(value, tuple):
+            return list(value)
+        raise TypeError(f"{type(value).__name__} is not JSON")
+
+    try:
+        return json.loads(json.dumps(dict(config), default=plain))
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError("config", f"not JSON as adapter_config.json must be: {e}") from None
+
+
 def _targets(config: Mapping[str, Any]) -> list[str]:
     targets = config.get("target_modules")
     if isinstance(targets, str):
@@ -127,8 +145,9 @@ def check_adapter(request: AdapterRequest, base: Optional[Iterable[ParamSpec]], 
         raise InvalidRequestError("name", f"{request.name!r} is the base model's name: an adapter needs a name of its own")
     if request.version is not None and (isinstance(request.version, bool) or not isinstance(request.version, int) or request.version < 1):
         raise InvalidRequestError("version", f"{request.version!r}: an integer >= 1")
-    r = _check_config(request.config, max_rank)
-    targets = _targets(request.config)
+    config = config_json(request.config) if isinstance(request.config, Mapping) else request.config
+    r = _check_config(config, max_rank)
+    targets = _targets(config)
     tensors = read_header(request.tensors)
     if not tensors:
         raise InvalidRequestError("tensors", "the file holds no tensor")
@@ -161,7 +180,7 @@ def check_adapter(request: AdapterRequest, base: Optional[Iterable[ParamSpec]], 
 
 def adapter_of(request: AdapterRequest, version: int) -> Adapter:
     """The adapter ``request`` publishes, as version ``version`` (checked already)."""
-    return Adapter(name=request.name, version=version, config=dict(request.config), tensors=bytes(request.tensors), digest=hashlib.sha256(request.tensors).hexdigest())
+    return Adapter(name=request.name, version=version, config=config_json(request.config), tensors=bytes(request.tensors), digest=hashlib.sha256(request.tensors).hexdigest())
 
 
 def encode_tensors(tensors: Mapping[str, "torch.Tensor"]) -> bytes:

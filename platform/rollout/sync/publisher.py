@@ -27,7 +27,7 @@ from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import make_sender
 from rollout.sync.backends.base import CopySender, Sender
-from rollout.sync.adapters import encode_tensors
+from rollout.sync.adapters import config_json, encode_tensors
 from rollout.sync.protocol import (
     COORDINATOR_NAME,
     AdapterRequest,
@@ -357,7 +357,7 @@ class WeightPublisher:
         round fails: every replica keeps serving the adapter's version before.
         """
         t0 = time.perf_counter()
-        request = AdapterRequest(name=name, config=dict(config), tensors=encode_tensors(tensors), version=version)
+        request = AdapterRequest(name=name, config=config_json(config), tensors=encode_tensors(tensors), version=version)
         try:
             # Checked, loaded and decided in one call: the coordinator bounds it (the
             # round's deadline, then a step for the members to serve it).
