@@ -163,7 +163,8 @@ async def first_pause(model_dir, prefix_cache: str, pause_mode: str = "keep", in
     engine was asked for it: ``(mode, clear_cache)``. Catch-up pauses in ``keep``; the
     caller makes reload rounds pause in ``pause_mode``, as publish rounds do."""
     from rollout.sync.agent import SyncAgent
-    from tests.test_sync_agent import InProcess, RecordingEngine, committed_from_a_checkpoint
+    from tests.inprocess import InProcess, RecordingEngine
+    from tests.test_sync_agent import committed_from_a_checkpoint
 
     sync = {"timeout_s": 5, "require_token": False, "prefix_cache": prefix_cache}
     coordinator = await committed_from_a_checkpoint(model_dir, sync)

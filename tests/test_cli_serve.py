@@ -1,7 +1,7 @@
 """`rollout serve` as a new user runs it: the README's smallest config, and one that cannot fit.
 
-Each test runs the command in its own process with its own local Ray cluster (it runs
-among the unit tests, before the session's cluster starts).
+Each test runs the command in its own process; the one that serves starts its own local
+Ray cluster (it runs among the unit tests, before the session's cluster starts).
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ def test_rollout_serve_with_only_the_model_path_starts_and_serves(model_dir, tmp
 
 
 def test_rollout_serve_that_cannot_fit_exits_with_one_line_naming_the_field(model_dir, tmp_path):
+    # A local cluster's replicas would run on this machine: the CLI says so before it
+    # starts one (and before Serve retries a replica that fails the same way each time).
     config = {"model": {"path": str(model_dir), "device": "cpu", "kv_cache_memory_bytes": 1 << 40}, "http": {"port": free_port()}}
-    # Serve starts a failing replica three times before it gives up; once says the same
-    # (the replica's constructor fails the same way each time) in a third of the time.
-    serve = Serve(config, tmp_path, env={"RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
+    serve = Serve(config, tmp_path)
     t0 = time.monotonic()
     try:
         serve.proc.wait(START_TIMEOUT_S)
@@ -101,4 +101,22 @@ def test_rollout_serve_that_cannot_fit_exits_with_one_line_naming_the_field(mode
     assert len(said) == 1, serve.tail()
     assert "model.kv_cache_memory_bytes = 1024.00 GiB does not fit" in said[0], said[0]
     assert said[0].endswith("lower model.kv_cache_memory_bytes"), said[0]
+    assert not any("Ray runtime started" in line or "Started a local Ray instance" in line for line in serve.lines), serve.tail()
     print(f"failed in {time.monotonic() - t0:.0f} s: {said[0]}")
+
+
+def test_a_replica_that_cannot_fit_on_a_joined_clusters_node_is_named_in_one_line_from_serves_status():
+    """Joining a cluster, only the replica can tell (it runs elsewhere): Serve's status
+    then holds its traceback, and the CLI says the replica's own one-line reason."""
+    from rollout.cli import start_failure
+
+    message = (
+        "Deployment 'EngineReplica' in application 'rollout' has 1 replicas that failed to start.\n"
+        "Traceback (most recent call last):\n"
+        '  File "/app/rollout/engine/replica.py", line 88, in __init__\n'
+        "ray.exceptions.RayTaskError(EngineStartError): ray::ServeReplica:rollout:EngineReplica.initialize_and_get_metadata()\n"
+        "rollout.engine.memory.EngineStartError: model.kv_cache_memory_bytes = 1024.00 GiB does not fit: with the weights "
+        "(0.01 GiB) the engine needs about 1025.01 GiB, and the node has 20.00 GiB free; lower model.kv_cache_memory_bytes\n"
+    )
+    assert start_failure(message).endswith("node has 20.00 GiB free; lower model.kv_cache_memory_bytes")
+    assert start_failure(message).startswith("model.kv_cache_memory_bytes = 1024.00 GiB does not fit")

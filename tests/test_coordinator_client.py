@@ -10,7 +10,7 @@ import pytest
 
 from rollout.errors import AuthenticationError
 from rollout.sync.coordinator_client import BlockingCoordinatorHandle, CoordinatorHandle
-from rollout.sync.protocol import Control, CoordinatorUnreachableError, SyncError
+from rollout.sync.protocol import Control, CoordinatorUnreachableError, FleetQuery, SyncError
 
 
 def public_async_methods(cls: type) -> dict[str, inspect.Signature]:
@@ -81,20 +81,20 @@ def ray_wrapped(error: BaseException) -> BaseException:
 
 
 def test_calls_go_to_the_method_of_the_same_name_with_the_arguments_in_order():
-    handle = FakeHandle(register=7, next_round=None, paused=True)
+    handle = FakeHandle(register=7, next_round=None, drive=True)
     client = CoordinatorHandle(handle)
 
     async def run():
         assert await client.register("r1", 2, 3, []) == 7
         assert await client.next_round("r1", 3) is None
-        assert await client.paused("tok") is True
+        assert await client.drive("tok", FleetQuery.IS_PAUSED) is True
         await client.finish("tok", "round-1")
 
     asyncio.run(run())
     assert handle.calls == [
         ("register", ("r1", 2, 3, [])),
         ("next_round", ("r1", 3, Control(), True)),
-        ("paused", ("tok",)),
+        ("drive", ("tok", FleetQuery.IS_PAUSED)),
         ("finish", ("tok", "round-1", None)),
     ]
 

@@ -15,6 +15,7 @@ from rollout.sync.adapters import ServedAdapters, adapter_of, check_adapter, enc
 from rollout.sync.agent import SyncAgent
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.protocol import AdapterRequest, SyncError
+from tests.inprocess import InProcess
 from tests.lora import demo_adapter
 
 
@@ -108,16 +109,6 @@ class LoraEngine:
 
     async def remove_lora(self, lora_id: int) -> bool:
         return self.loaded.pop(lora_id, None) is not None
-
-
-class InProcess:
-    """The real coordinator, called in-process the way a Serve handle would."""
-
-    def __init__(self, coordinator):
-        self.coordinator = coordinator
-
-    def __getattr__(self, name):
-        return type("Method", (), {"remote": staticmethod(getattr(self.coordinator, name))})
 
 
 def coordinator_for(model_dir, enabled: bool = True):

@@ -9,7 +9,8 @@ import pytest
 
 from rollout.errors import StaleWeightsError
 from rollout.sync.agent import SyncAgent
-from rollout.sync.protocol import RoundRequest
+from rollout.sync.protocol import FinishUpdate, FleetQuery, OpenSession, Pause, RoundRequest, Update
+from tests.inprocess import InProcess, RecordingEngine
 
 
 async def test_a_request_waits_for_the_version_it_needs_and_fails_retryably_after_the_deadline(model_dir):
@@ -47,33 +48,6 @@ def rendezvous():
         s.bind(("127.0.0.1", 0))
         s.listen(16)
         yield s.getsockname()[1]
-
-
-class RecordingEngine:
-    """Stands in for vLLM's AsyncLLM: records the protocol calls the agent makes."""
-
-    def __init__(self):
-        self.calls = []
-
-    async def get_weight_version(self):
-        return "0"
-
-    def __getattr__(self, name):
-        async def call(*args, **kwargs):
-            self.calls.append((name, *args, *kwargs.values()))
-
-        return call
-
-
-class InProcess:
-    """The real coordinator, called in-process the way a Serve handle would."""
-
-    def __init__(self, coordinator):
-        self.coordinator = coordinator
-
-    def __getattr__(self, name):
-        method = getattr(self.coordinator, name)
-        return type("Method", (), {"remote": staticmethod(method)})
 
 
 async def committed_from_a_checkpoint(model_dir, sync: dict):
@@ -164,18 +138,18 @@ async def test_a_round_under_a_trainers_pause_resets_the_prefix_cache_and_keeps_
     specs = checkpoint_spec(str(model_dir))
     update = {"names": [p.name for p in specs], "dtype_names": [p.dtype for p in specs], "shapes": [list(p.shape) for p in specs]}
     try:
-        await asyncio.wait_for(coordinator.pause(None, "keep", False), 5)
+        await asyncio.wait_for(coordinator.drive(None, Pause("keep", False)), 5)
         assert agent.held and engine.calls[-1] == ("pause_generation", "keep", False)
-        await asyncio.wait_for(coordinator.open_session(None, {"master_address": "127.0.0.1", "master_port": rendezvous, "world_size": 2}), 5)
+        await asyncio.wait_for(coordinator.drive(None, OpenSession({"master_address": "127.0.0.1", "master_port": rendezvous, "world_size": 2})), 5)
         engine.calls.clear()
-        await asyncio.wait_for(coordinator.start_update(None), 5)
-        await asyncio.wait_for(coordinator.update(None, update), 5)
-        assert await asyncio.wait_for(coordinator.finish_update(None, None), 5) == 1
+        await asyncio.wait_for(coordinator.drive(None, FleetQuery.START_UPDATE), 5)
+        await asyncio.wait_for(coordinator.drive(None, Update(update)), 5)
+        assert await asyncio.wait_for(coordinator.drive(None, FinishUpdate(None)), 5) == 1
         names = [c[0] for c in engine.calls]
         assert ("pause_generation", "keep", True) in engine.calls, "the update must reset the prefix cache"
         assert names.index("pause_generation") < names.index("start_weight_update") < names.index("update_weights") < names.index("finish_weight_update")
         assert "resume_generation" not in names, "the trainer's hold lasts until /resume"
-        await asyncio.wait_for(coordinator.resume(None), 5)
+        await asyncio.wait_for(coordinator.drive(None, FleetQuery.RESUME), 5)
         assert engine.calls[-1] == ("resume_generation",) and agent.version == 1
     finally:
         agent.stop()
@@ -446,7 +420,7 @@ async def test_a_route_sessions_join_makes_the_next_publish_form_a_new_group_on_
         plan = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", rendezvous))
         assert (await asyncio.wait_for(coordinator.finish(None, plan.round_id), 5)).committed
         # A trainer written for vllm serve joins every replica's engine to its own group.
-        await asyncio.wait_for(coordinator.open_session(None, {"master_address": "127.0.0.1", "master_port": rendezvous, "world_size": 2}), 5)
+        await asyncio.wait_for(coordinator.drive(None, OpenSession({"master_address": "127.0.0.1", "master_port": rendezvous, "world_size": 2})), 5)
         assert inits(engine) == 2
         after = await coordinator.begin_round(None, RoundRequest(tuple(specs), "127.0.0.1", rendezvous, reuse_group=plan.group))
         assert after.transfer.group_name == "", "the session's join took the engines: the publisher's group is gone"

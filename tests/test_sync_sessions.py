@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from rollout.errors import InvalidRequestError
-from rollout.sync.protocol import Control, ParamSpec, SessionPlan, SessionRound, SyncError
+from rollout.sync.protocol import Control, FinishUpdate, FleetQuery, OpenSession, ParamSpec, Pause, SessionPlan, SessionRound, SyncError, Update
 from rollout.sync.sessions import parse_update_info, parse_version
 from tests.test_sync_coordinator import SPECS, coordinator
 
@@ -51,8 +51,8 @@ async def two_members():
 
 async def test_one_trainers_calls_drive_every_replica_and_each_gets_its_own_rank_offset():
     c, members = await two_members()
-    assert await c.world_size(None) == 2
-    init = asyncio.create_task(c.open_session(None, {**INIT, "world_size": 3}))
+    assert await c.drive(None, FleetQuery.WORLD_SIZE) == 2
+    init = asyncio.create_task(c.drive(None, OpenSession({**INIT, "world_size": 3})))
     plans = await asyncio.gather(*(m.join() for m in members))
     await asyncio.wait_for(init, 2)
     assert [p.member_init_info(m.rid)["rank_offset"] for p, m in zip(plans, members)] == [1, 2]
@@ -60,9 +60,9 @@ async def test_one_trainers_calls_drive_every_replica_and_each_gets_its_own_rank
     for expected in (1, 7):  # two rounds on one session's group
         seen: list = []
         rounds = [asyncio.create_task(m.round(seen)) for m in members]
-        await asyncio.wait_for(c.start_update(None), 2)
-        await asyncio.wait_for(c.update(None, UPDATE), 2)
-        version = await asyncio.wait_for(c.finish_update(None, None if expected == 1 else "7"), 2)
+        await asyncio.wait_for(c.drive(None, FleetQuery.START_UPDATE), 2)
+        await asyncio.wait_for(c.drive(None, Update(UPDATE)), 2)
+        version = await asyncio.wait_for(c.drive(None, FinishUpdate(None if expected == 1 else "7")), 2)
         await asyncio.gather(*rounds)
         assert version == expected and seen == [expected, expected] and c.store.version == expected
 
@@ -70,34 +70,34 @@ async def test_one_trainers_calls_drive_every_replica_and_each_gets_its_own_rank
 async def test_steps_out_of_order_are_refused_and_change_nothing():
     c, members = await two_members()
     with pytest.raises(SyncError, match="init_weight_transfer_engine first"):
-        await c.start_update(None)
+        await c.drive(None, FleetQuery.START_UPDATE)
     with pytest.raises(InvalidRequestError, match="init_info.world_size"):
-        await c.open_session(None, {**INIT, "world_size": 2})
+        await c.drive(None, OpenSession({**INIT, "world_size": 2}))
     with pytest.raises(InvalidRequestError, match="init_info.rank_offset"):
-        await c.open_session(None, {**INIT, "rank_offset": 0, "world_size": 3})
-    init = asyncio.create_task(c.open_session(None, {**INIT, "world_size": 3}))
+        await c.drive(None, OpenSession({**INIT, "rank_offset": 0, "world_size": 3}))
+    init = asyncio.create_task(c.drive(None, OpenSession({**INIT, "world_size": 3})))
     await asyncio.gather(*(m.join() for m in members))
     await init
     with pytest.raises(SyncError, match="call /start_weight_update first"):
-        await c.update(None, UPDATE)
+        await c.drive(None, Update(UPDATE))
     with pytest.raises(SyncError, match="no weight update is in progress"):
-        await c.finish_update(None, None)
+        await c.drive(None, FinishUpdate(None))
     assert c.rounds.current is None and c.store.version == 0
 
 
 async def test_a_membership_change_ends_the_session_with_a_clear_error():
     c, members = await two_members()
-    init = asyncio.create_task(c.open_session(None, {**INIT, "world_size": 3}))
+    init = asyncio.create_task(c.drive(None, OpenSession({**INIT, "world_size": 3})))
     await asyncio.gather(*(m.join() for m in members))
     await init
     await c.register("c", 1, 0, SPECS)
     with pytest.raises(SyncError, match=r"joined: \['c'\].*call /get_world_size"):
-        await c.start_update(None)
+        await c.drive(None, FleetQuery.START_UPDATE)
 
 
 async def test_pause_returns_once_every_replica_applied_it():
     c, members = await two_members()
-    pause = asyncio.create_task(c.pause(None, "keep", False))
+    pause = asyncio.create_task(c.drive(None, Pause("keep", False)))
     answers = await asyncio.gather(*(m.poll() for m in members))
     assert answers == [Control(paused="keep")] * 2
     await asyncio.sleep(0.1)
@@ -105,7 +105,7 @@ async def test_pause_returns_once_every_replica_applied_it():
     for m in members:  # their next poll reports it applied
         c.membership.replicas[m.rid].control = Control(paused="keep")
     await asyncio.wait_for(pause, 2)
-    assert await c.paused(None)
+    assert await c.drive(None, FleetQuery.IS_PAUSED)
 
 
 def test_update_info_and_versions_are_checked_naming_the_field():
@@ -127,7 +127,7 @@ def test_update_info_and_versions_are_checked_naming_the_field():
 async def test_a_pause_some_replica_cannot_apply_fails_and_leaves_nothing_paused():
     c, members = await two_members()
     c.membership.poll_s = 0.1  # a replica that went silent is dropped after 0.3 s
-    pause = asyncio.create_task(c.pause(None, "keep", False))
+    pause = asyncio.create_task(c.drive(None, Pause("keep", False)))
 
     async def a_applies():
         while not pause.done():
@@ -141,14 +141,14 @@ async def test_a_pause_some_replica_cannot_apply_fails_and_leaves_nothing_paused
     await asyncio.gather(a_applies(), b_keeps_failing(), return_exceptions=True)
     with pytest.raises(SyncError, match=r"\['b'\] did not apply.*nothing changed"):
         await pause
-    assert c.membership.control == Control() and not await c.paused(None)
+    assert c.membership.control == Control() and not await c.drive(None, FleetQuery.IS_PAUSED)
     assert await c.next_round("a", 0, Control(paused="keep")) == Control(), "a is told to resume"
 
 
 async def test_a_replica_that_went_away_does_not_fail_a_pause():
     c, members = await two_members()
     c.membership.poll_s = 0.1
-    pause = asyncio.create_task(c.pause(None, "keep", False))
+    pause = asyncio.create_task(c.drive(None, Pause("keep", False)))
     await members[0].poll()
     c.membership.replicas["a"].control = Control(paused="keep")  # b never polls again: it was scaled down
     while not pause.done():

@@ -19,6 +19,7 @@ from rollout.errors import InvalidRequestError
 from rollout.sync import storage
 from rollout.sync.protocol import SyncError
 from rollout.sync.storage import INDEX_NAME, MANIFEST_NAME, CheckpointError, verify_checkpoint, write_checkpoint
+from tests.inprocess import InProcess, RecordingEngine
 
 SHARD_BYTES = 4096
 
@@ -244,32 +245,6 @@ def test_a_checkpoint_error_is_a_sync_error_that_pickles_and_answers_409_over_ht
 
 
 # ---- a publish through shared storage: coordinator, agents and publisher in one process ----
-
-
-class RecordingEngine:
-    """Stands in for vLLM's AsyncLLM: records the calls the agent makes (a reload loads nothing)."""
-
-    def __init__(self):
-        self.calls = []
-
-    async def get_weight_version(self):
-        return "0"
-
-    def __getattr__(self, name):
-        async def call(*args, **kwargs):
-            self.calls.append((name, *args, *kwargs.values()))
-
-        return call
-
-
-class InProcess:
-    """The real coordinator, called in-process the way a Serve handle would."""
-
-    def __init__(self, coordinator):
-        self.coordinator = coordinator
-
-    def __getattr__(self, name):
-        return type("Method", (), {"remote": staticmethod(getattr(self.coordinator, name))})
 
 
 class FromThread:

@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -17,6 +18,10 @@ def _serve(args: argparse.Namespace) -> int:
     from rollout.config import load_config
 
     cfg = load_config(args.config)
+    refused = local_fit_error(cfg, args.address)
+    if refused:
+        print(f"rollout serve: {cfg.app_name!r} cannot start: {refused}", file=sys.stderr, flush=True)
+        return 1
     ray.init(address=args.address, namespace="rollout", ignore_reinit_error=True)
     try:
         deploy(cfg)
@@ -46,6 +51,24 @@ def _serve(args: argparse.Namespace) -> int:
 
     serve.delete(cfg.app_name)
     return 0
+
+
+def local_fit_error(cfg, address: Optional[str]) -> Optional[str]:
+    """Why a CPU replica cannot fit on this machine, when ``rollout serve`` starts its own
+    local cluster (so its replicas run here): said at once, before a cluster starts and
+    Serve retries a replica that fails the same way each time. A replica checks again where
+    it runs (rollout.engine.memory), which is all there is when joining a cluster."""
+    import os
+
+    from rollout.engine.memory import EngineStartError, memory_kwargs
+
+    if address or os.environ.get("RAY_ADDRESS") or cfg.model.device != "cpu":
+        return None
+    try:
+        memory_kwargs(cfg.model, "cpu")
+    except EngineStartError as e:
+        return str(e)
+    return None
 
 
 def start_failure(message: str) -> str:

@@ -24,7 +24,7 @@ from rollout.errors import ForbiddenError, InvalidRequestError
 from rollout.http.routes_app import REFUSED_ERRORS, SYNC_ERRORS, admit, app
 from rollout.sync.auth import Operation
 from rollout.sync.coordinator_client import CoordinatorHandle
-from rollout.sync.protocol import PauseMode, SyncError
+from rollout.sync.protocol import FinishUpdate, FleetQuery, OpenSession, Pause, PauseMode, RouteCommand, SyncError, Update
 from rollout.sync.sessions import parse_update_info
 
 REFUSED = (
@@ -66,93 +66,82 @@ class VllmRlRoutes:
 
     coordinator: Optional[CoordinatorHandle]
 
-    def _driver(self, request: Request) -> tuple[CoordinatorHandle, Optional[str]]:
-        """The coordinator and the credential to call it with on behalf of a trainer
-        (rollout.sync.auth decides which: Operation.DRIVE); the coordinator checks it."""
+    async def _drive(self, request: Request, command: RouteCommand) -> Any:
+        """``command`` over every replica, on behalf of the trainer whose credential the
+        request carries (rollout.sync.auth decides which: Operation.DRIVE; the coordinator
+        checks it)."""
         if self.coordinator is None:
             raise SyncError("weight sync is disabled on this platform (sync.enabled: false)")
-        return self.coordinator, admit(Operation.DRIVE, request)
+        return await self.coordinator.drive(admit(Operation.DRIVE, request), command)
+
+    async def _acknowledge(self, request: Request, command: RouteCommand, message: str) -> dict:
+        """The answer of the routes that answer ``{"message": ...}`` once done."""
+        await self._drive(request, command)
+        return {"message": message}
 
     @app.post("/pause", responses=SYNC_ERRORS)
     async def rl_pause(self, request: Request, mode: Annotated[PauseMode, Query()] = "abort", clear_cache: Annotated[bool, Query()] = True) -> dict:
         """Every live replica holds generation until `/resume`: `abort` ends in-flight requests, `wait` lets them finish, `keep` freezes them."""
-        coordinator, token = self._driver(request)
-        await coordinator.pause(token, mode, clear_cache and mode != "keep")
+        await self._drive(request, Pause(mode, clear_cache and mode != "keep"))
         return {"status": "paused"}
 
     @app.post("/resume", responses=SYNC_ERRORS)
     async def rl_resume(self, request: Request) -> dict:
         """Every replica generates again."""
-        coordinator, token = self._driver(request)
-        await coordinator.resume(token)
+        await self._drive(request, FleetQuery.RESUME)
         return {"status": "resumed"}
 
     @app.get("/is_paused", responses=SYNC_ERRORS)
     async def rl_is_paused(self, request: Request) -> dict:
         """Whether the replicas are paused by `/pause`."""
-        coordinator, token = self._driver(request)
-        return {"is_paused": await coordinator.paused(token)}
+        return {"is_paused": await self._drive(request, FleetQuery.IS_PAUSED)}
 
     @app.post("/reset_prefix_cache", responses=SYNC_ERRORS)
     async def rl_reset_prefix_cache(self, request: Request, reset_running_requests: OnlyFalse = False, reset_external: OnlyFalse = False) -> dict:
         """Every replica drops its prefix cache; `success` is false where one could not (blocks still in use)."""
         if reset_running_requests or reset_external:
             raise InvalidRequestError("reset_running_requests" if reset_running_requests else "reset_external", "not supported here; only the local prefix cache is reset")
-        coordinator, token = self._driver(request)
-        return {"success": await coordinator.reset_prefix_cache(token)}
+        return {"success": await self._drive(request, FleetQuery.RESET_PREFIX_CACHE)}
 
     @app.get("/get_world_size", responses=SYNC_ERRORS)
     async def rl_get_world_size(self, request: Request, include_dp: bool = Query(True)) -> dict:
         """Ranks the trainer's group has besides the trainer: every live replica's workers, and the coordinator's copy where the backend keeps one."""
-        coordinator, token = self._driver(request)
-        return {"world_size": await coordinator.world_size(token)}
+        return {"world_size": await self._drive(request, FleetQuery.WORLD_SIZE)}
 
     @app.post("/init_weight_transfer_engine", responses=SYNC_ERRORS)
     async def rl_init(self, request: Request, init_info: Annotated[dict[str, Any], Body(embed=True)]) -> dict:
         """Every live replica (and the coordinator's copy) joins the trainer's weight-transfer group; returns once all have."""
-        coordinator, token = self._driver(request)
-        await coordinator.open_session(token, init_info)
-        return {"message": "Weight transfer initialized"}
+        return await self._acknowledge(request, OpenSession(init_info), "Weight transfer initialized")
 
     @app.post("/shutdown_weight_transfer_engine", responses=SYNC_ERRORS)
     async def rl_shutdown(self, request: Request) -> dict:
         """Ends the session: the next update needs a new `/init_weight_transfer_engine`."""
-        coordinator, token = self._driver(request)
-        await coordinator.shutdown_session(token)
-        return {"message": "Weight transfer shut down"}
+        return await self._acknowledge(request, FleetQuery.SHUTDOWN_SESSION, "Weight transfer shut down")
 
     @app.post("/start_weight_update", responses=SYNC_ERRORS)
     async def rl_start(self, request: Request) -> dict:
         """Opens a round: returns once every member has paused and is ready to receive."""
-        coordinator, token = self._driver(request)
-        await coordinator.start_update(token)
-        return {"message": "Weight update started"}
+        return await self._acknowledge(request, FleetQuery.START_UPDATE, "Weight update started")
 
     @app.post("/update_weights", responses=SYNC_ERRORS)
     async def rl_update(self, request: Request, update_info: Annotated[UpdateInfo, Body(embed=True)]) -> dict:
         """Every member receives the parameters the trainer broadcasts next, in order; returns once all have."""
-        coordinator, token = self._driver(request)
-        await coordinator.update(token, update_info.model_dump(mode="json"))
-        return {"message": "Weights updated"}
+        return await self._acknowledge(request, Update(update_info.model_dump(mode="json")), "Weights updated")
 
     @app.post("/finish_weight_update", responses=SYNC_ERRORS)
     async def rl_finish(self, request: Request, weight_version: Annotated[Optional[str], Body(embed=True)] = None) -> dict:
         """Commits the round (all replicas or none); `weight_version` names it in every token's version spans."""
-        coordinator, token = self._driver(request)
-        await coordinator.finish_update(token, weight_version)
-        return {"message": "Weight update finished"}
+        return await self._acknowledge(request, FinishUpdate(weight_version), "Weight update finished")
 
     @app.get("/weight_info", responses=SYNC_ERRORS)
     async def rl_weight_info(self, request: Request) -> dict:
         """The committed weight version, as every replica serves it."""
-        coordinator, token = self._driver(request)
-        return {"weight_version": str(await coordinator.weight_version(token))}
+        return {"weight_version": str(await self._drive(request, FleetQuery.WEIGHT_VERSION))}
 
     @app.post("/update_weight_version", responses=SYNC_ERRORS)
     async def rl_update_weight_version(self, request: Request, new_version: Annotated[str, Body(embed=True)]) -> dict:
         """Accepts only the committed version: versions name the weights that produced each token, so they change with the weights (`/finish_weight_update`)."""
-        coordinator, token = self._driver(request)
-        committed = await coordinator.weight_version(token)
+        committed = await self._drive(request, FleetQuery.WEIGHT_VERSION)
         if new_version.strip() != str(committed):
             raise SyncError(
                 f"new_version: versions here name the weights that produced each token, so they change only with "

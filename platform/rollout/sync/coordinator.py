@@ -26,7 +26,7 @@ from rollout.config import PlatformConfig
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
 from rollout.sync.membership import Membership
-from rollout.sync.protocol import REREGISTER, Adapter, AdapterRequest, AdapterRound, Control, ParamSpec, PauseMode, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound, SyncError
+from rollout.sync.protocol import REREGISTER, Adapter, AdapterRequest, AdapterRound, Control, FinishUpdate, FleetQuery, OpenSession, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.sync.rounds import Rounds
 from rollout.sync.sessions import RouteSessions
 from rollout.sync.store import CommittedWeights
@@ -196,52 +196,42 @@ class WeightSyncCoordinator:
 
     # ---- vLLM's RL routes (RouteSessions) ------------------------------------------
 
-    async def pause(self, token: Optional[str], mode: PauseMode, clear_cache: bool) -> None:
-        """``/pause``: every live replica holds generation until ``/resume``."""
+    async def drive(self, token: Optional[str], command: RouteCommand) -> Any:
+        """One of vLLM's RL routes over the whole fleet, for a trainer written for
+        ``vllm serve``; each command's docstring names its answer."""
         await self._authorize(token)
-        await self.sessions.pause(mode, clear_cache)
-
-    async def resume(self, token: Optional[str]) -> None:
-        await self._authorize(token)
-        await self.sessions.resume()
-
-    async def reset_prefix_cache(self, token: Optional[str]) -> bool:
-        """Whether every replica's reset succeeded (vLLM's fails while blocks are held)."""
-        await self._authorize(token)
-        return await self.sessions.reset_prefix_cache()
-
-    async def paused(self, token: Optional[str]) -> bool:
-        await self._authorize(token)
-        return self.membership.control.paused is not None
-
-    async def weight_version(self, token: Optional[str]) -> int:
-        await self._authorize(token)
-        return self.store.version
-
-    async def world_size(self, token: Optional[str]) -> int:
-        await self._authorize(token)
-        return self.sessions.inference_world_size()
-
-    async def open_session(self, token: Optional[str], init_info: dict) -> None:
-        """``/init_weight_transfer_engine``: every live replica (and the coordinator's
-        copy) joins the trainer's group; returns when all have."""
-        await self._authorize(token)
-        await self.sessions.open(init_info)
+        match command:
+            case Pause(mode=mode, clear_cache=clear_cache):
+                await self.sessions.pause(mode, clear_cache)
+            case FleetQuery.RESUME:
+                await self.sessions.resume()
+            case FleetQuery.RESET_PREFIX_CACHE:
+                # Whether every replica's reset succeeded (vLLM's fails while blocks are held).
+                return await self.sessions.reset_prefix_cache()
+            case FleetQuery.IS_PAUSED:
+                return self.membership.control.paused is not None
+            case FleetQuery.WEIGHT_VERSION:
+                return self.store.version
+            case FleetQuery.WORLD_SIZE:
+                return self.sessions.inference_world_size()
+            case OpenSession(init_info=init_info):
+                await self.sessions.open(init_info)
+            case FleetQuery.SHUTDOWN_SESSION:
+                self.sessions.end("the trainer shut the weight transfer engine down")
+            case FleetQuery.START_UPDATE:
+                await self.sessions.start_update()
+            case Update(update_info=update_info):
+                await self.sessions.update(update_info)
+            case FinishUpdate(weight_version=weight_version):
+                return await self.sessions.finish_update(weight_version)
+            case _:
+                raise SyncError(f"command: {type(command).__name__} is not one of vLLM's RL routes")
+        return None
 
     async def joined(self, session_id: str, replica_id: str, error: Optional[str]) -> None:
         """A member's answer to the session's join."""
         self.membership.seen(replica_id)
         self.sessions.joined(session_id, replica_id, error)
-
-    async def shutdown_session(self, token: Optional[str]) -> None:
-        """``/shutdown_weight_transfer_engine``: the next update needs a new ``init``."""
-        await self._authorize(token)
-        self.sessions.end("the trainer shut the weight transfer engine down")
-
-    async def start_update(self, token: Optional[str]) -> None:
-        """``/start_weight_update``: returns once every member has paused and started."""
-        await self._authorize(token)
-        await self.sessions.start_update()
 
     async def started(self, round_id: str, replica_id: str, error: Optional[str]) -> None:
         """A member paused and ran ``start_weight_update`` (or failed to)."""
@@ -253,13 +243,3 @@ class WeightSyncCoordinator:
         the round is decided without it (aborted)."""
         self.membership.seen(replica_id)
         return await self.sessions.update_info(round_id)
-
-    async def update(self, token: Optional[str], update_info: Any) -> None:
-        """``/update_weights``: returns once every member received the broadcast."""
-        await self._authorize(token)
-        await self.sessions.update(update_info)
-
-    async def finish_update(self, token: Optional[str], weight_version: Optional[str]) -> int:
-        """``/finish_weight_update``: the committed version, once every member serves it."""
-        await self._authorize(token)
-        return await self.sessions.finish_update(weight_version)

@@ -20,7 +20,7 @@ from rollout.errors import unwrap_remote
 from rollout.sync.protocol import Control, CoordinatorUnreachableError, SyncError
 
 if TYPE_CHECKING:
-    from rollout.sync.protocol import Adapter, AdapterRequest, ParamSpec, PauseMode, PushRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
+    from rollout.sync.protocol import Adapter, AdapterRequest, ParamSpec, PushRound, Reregister, Round, RoundOutcome, RoundRequest, RouteCommand, SessionPlan, StorageRequest, StorageRound
 
     NextRound = Union[Round, SessionPlan, Control, Reregister, None]
 
@@ -98,38 +98,9 @@ class CoordinatorHandle:
 
     # ---- vLLM's RL routes (a trainer written for ``vllm serve``) ---------------------
 
-    async def pause(self, token: Optional[str], mode: PauseMode, clear_cache: bool) -> None:
-        return await _answer(self._handle.pause.remote(token, mode, clear_cache))
-
-    async def resume(self, token: Optional[str]) -> None:
-        return await _answer(self._handle.resume.remote(token))
-
-    async def reset_prefix_cache(self, token: Optional[str]) -> bool:
-        return await _answer(self._handle.reset_prefix_cache.remote(token))
-
-    async def paused(self, token: Optional[str]) -> bool:
-        return await _answer(self._handle.paused.remote(token))
-
-    async def weight_version(self, token: Optional[str]) -> int:
-        return await _answer(self._handle.weight_version.remote(token))
-
-    async def world_size(self, token: Optional[str]) -> int:
-        return await _answer(self._handle.world_size.remote(token))
-
-    async def open_session(self, token: Optional[str], init_info: dict) -> None:
-        return await _answer(self._handle.open_session.remote(token, init_info))
-
-    async def shutdown_session(self, token: Optional[str]) -> None:
-        return await _answer(self._handle.shutdown_session.remote(token))
-
-    async def start_update(self, token: Optional[str]) -> None:
-        return await _answer(self._handle.start_update.remote(token))
-
-    async def update(self, token: Optional[str], update_info: Any) -> None:
-        return await _answer(self._handle.update.remote(token, update_info))
-
-    async def finish_update(self, token: Optional[str], weight_version: Optional[str]) -> int:
-        return await _answer(self._handle.finish_update.remote(token, weight_version))
+    async def drive(self, token: Optional[str], command: RouteCommand) -> Any:
+        """One of vLLM's RL routes over the fleet; the answer's type is on the command."""
+        return await _answer(self._handle.drive.remote(token, command))
 
 
 class BlockingCoordinatorHandle:

@@ -6,6 +6,7 @@ agent alike. Torch-free: the ingress and the config import it without loading to
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -369,6 +370,59 @@ class Control:
     paused: Optional[PauseMode] = None  # ``/pause``'s mode, held until ``/resume``
     clear_cache: bool = False  # ``/pause``'s clear_cache
     cache_resets: int = 0  # ``/reset_prefix_cache`` calls so far
+
+
+# ---- vLLM's RL routes: what a trainer asks of the whole fleet -------------------------
+# One typed command per route, sent to the coordinator's one entry point for them
+# (WeightSyncCoordinator.drive); the answer's type is named on each.
+
+
+class FleetQuery(enum.Enum):
+    """The routes that carry no arguments. Answers: ``None``, except ``RESET_PREFIX_CACHE``
+    (bool: every replica's reset succeeded), ``IS_PAUSED`` (bool), ``WEIGHT_VERSION``
+    (int: the committed version) and ``WORLD_SIZE`` (int: the ranks besides the trainer)."""
+
+    RESUME = "resume"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    IS_PAUSED = "is_paused"
+    WEIGHT_VERSION = "weight_version"
+    WORLD_SIZE = "world_size"
+    SHUTDOWN_SESSION = "shutdown_weight_transfer_engine"
+    START_UPDATE = "start_weight_update"
+
+
+@dataclass(frozen=True)
+class Pause:
+    """``/pause``: every live replica holds generation until ``RESUME``. Answer: None."""
+
+    mode: PauseMode
+    clear_cache: bool
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    """``/init_weight_transfer_engine``: every live replica (and the coordinator's copy)
+    joins the trainer's group; answered (None) once all have."""
+
+    init_info: dict
+
+
+@dataclass(frozen=True)
+class Update:
+    """``/update_weights``: answered (None) once every member received the broadcast."""
+
+    update_info: dict
+
+
+@dataclass(frozen=True)
+class FinishUpdate:
+    """``/finish_weight_update``. Answer: the committed version (int), once every member serves it;
+    ``weight_version`` names it in every token's version spans."""
+
+    weight_version: Optional[str] = None
+
+
+RouteCommand = Union[FleetQuery, Pause, OpenSession, Update, FinishUpdate]
 
 
 @dataclass

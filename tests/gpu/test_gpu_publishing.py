@@ -1,0 +1,177 @@
+"""Issue 30's ways of publishing on a real GPU, one GPU enough: a gloo publish from a trainer
+on the host into a GPU replica with the fleet digest (every replica's digest of what it
+received equals the trainer's of what it sent, and what each side's digest cost), and the
+prefix cache salted by weight version (after a commit a long prompt finds none of the
+blocks cached under the old weights, is served exactly as a fresh engine with the new
+weights serves it, and is cached again under them).
+
+Run by ``tests/gpu/check.sh`` like the other GPU checks (``run 600 -k publishing``); skipped
+without a GPU. It shares :class:`tests.gpu.test_gpu_platform.Stage` and its helpers; its
+Ray cluster is its own, exporting Ray's metrics every second (the prefix-cache counters are
+read from there, as Prometheus reads them).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+
+from tests.gpu.machine import MODEL, WORK, needs_gpus
+from tests.gpu.test_gpu_platform import Stage, coordinator_status, first_mismatch, greedy, load_weights, on_engine, on_platform, perturbed, platform_cfg, requests  # noqa: F401 - perturbed is a fixture
+
+pytestmark = needs_gpus(1)
+APP = "gpu-gloo"
+METRICS_PORT = 18124
+PUBLISHES = 4
+# vLLM's GPU KV blocks hold 16 tokens and a prompt's last token is always computed: a
+# prompt of 16 whole blocks and one token can hit on 256 tokens.
+LONG = [100] + [(i * 37 + 11) % 1000 + 3 for i in range(256)]
+LONG_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray import cloudpickle, serve
+
+    import tests.gpu.engines
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "gpu-check-sync-token")
+    # Ray's agent exports the replicas' metrics here every second (default 10 s).
+    ray.init(namespace="rollout-gpu", log_to_driver=False, _metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000})
+    cloudpickle.register_pickle_by_value(tests.gpu.engines)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stage(cluster):
+    s = Stage()
+    yield s
+    s.reset()
+
+
+def settled_counters() -> tuple[float, float]:
+    """(hits, queries) of the app's prefix caches, once two reads 2 s apart agree."""
+    import asyncio
+
+    from rollout.bench.scaling import settled_prefix_counters
+
+    return asyncio.run(settled_prefix_counters(f"http://127.0.0.1:{METRICS_PORT}/metrics", APP))
+
+
+def long_reference(stage: Stage, weights) -> list[int]:
+    """The bare engine's greedy tokens for LONG on ``weights``."""
+    import ray
+
+    bare = stage.bare_engine(0)
+    if stage.bare_weights != weights:
+        stage.bare_weights = None
+        ray.get(bare.reload.remote(str(weights)), timeout=300)
+        stage.bare_weights = weights
+    return on_engine(bare)(requests([LONG], max_tokens=LONG_TOKENS))[0]
+
+
+def test_a_gloo_publish_into_a_gpu_replica_is_digested_on_both_sides_and_serves_exactly_the_published_weights(stage, perturbed, record):
+    """The trainer's CPU tensors over gloo into the GPU replica, PUBLISHES times: every round
+    commits with the replica's digest equal to the trainer's, status shows them, and the
+    replica serves the bare engine's greedy tokens on the same checkpoint."""
+    from rollout.sync import WeightPublisher
+
+    want = stage.reference(perturbed)
+    app = stage.app_for(platform_cfg(APP, "gloo"))
+    tensors = load_weights(perturbed, "cpu")
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    pub = WeightPublisher.connect(app_name=APP, backend="gloo")
+    seconds, send_digest, receive, receive_digest = [], [], [], []
+    try:
+        for _ in range(PUBLISHES):
+            t0 = time.perf_counter()
+            version = pub.publish(tensors, checkpoint=str(perturbed))
+            seconds.append(time.perf_counter() - t0)
+            outcome = pub.last_outcome
+            assert outcome.committed and outcome.digest, outcome
+            assert set(outcome.replica_digests.values()) == {outcome.digest}, outcome.replica_digests
+            send_digest.append(pub.last_phases.get("send.digest", 0.0))
+            for phases in outcome.phases.values():
+                receive.append(phases.get("receive", 0.0))
+                receive_digest.append(phases.get("receive.digest", 0.0))
+    finally:
+        pub.close()
+    app.published, app.committed = True, version
+    status = coordinator_status(APP)
+    committed = status["committed_digest"]
+    assert committed["version"] == version and committed["digest"] == outcome.digest, committed
+    assert all(r["received"] == committed for r in status["replicas"].values()), status["replicas"]
+    got = greedy(on_platform(app.handle))
+    assert got == want, first_mismatch(got, want)
+    steady = seconds[1:]
+    record(
+        bytes=nbytes,
+        tensors=len(tensors),
+        publish_s=[round(s, 4) for s in seconds],
+        publish_steady_median_s=round(statistics.median(steady), 4),
+        send_digest_s=[round(s, 4) for s in send_digest],
+        receive_s=[round(s, 4) for s in receive],
+        receive_digest_s=[round(s, 4) for s in receive_digest],
+        digest_share_of_publish_sender=round(statistics.median(send_digest[1:]) / statistics.median(steady), 4),
+        digest_share_of_publish_replica=round(statistics.median(receive_digest[1:]) / statistics.median(steady), 4),
+        committed_digest=committed["digest"][:16],
+        greedy="equal",
+    )
+
+
+def test_after_a_commit_a_long_prompt_is_not_served_from_the_old_versions_kv_on_the_gpu(stage, perturbed, record):
+    """sync.prefix_cache: salt (the default). LONG cached under the served weights hits its
+    256 cacheable tokens; after a publish of other weights it hits none of them and equals the
+    bare engine on those weights; then it hits again under the new version."""
+    from rollout.sync import WeightPublisher
+
+    want_model = long_reference(stage, MODEL)
+    app = stage.app_for(platform_cfg(APP, "gloo"))
+    assert app.cfg.sync.prefix_cache == "salt"
+    counters = [settled_counters()]
+
+    def serve_long(tag: str):
+        (r,) = app.handle.generate_sync(requests([LONG], max_tokens=LONG_TOKENS, session=f"salted-{tag}"))
+        counters.append(settled_counters())
+        (h0, q0), (h1, q1) = counters[-2:]
+        return r, h1 - h0, q1 - q0
+
+    first, _, _ = serve_long("first")
+    again, hits_same, _ = serve_long("again")
+    assert hits_same >= 256, f"the same version reuses its blocks ({hits_same} tokens hit)"
+    # The model's own weights, published: other weights than those served (the perturbed
+    # checkpoint's, committed by the check before, or here when this check runs alone).
+    pub = WeightPublisher.connect(app_name=APP, backend="gloo")
+    try:
+        if app.committed is None:
+            pub.publish(load_weights(perturbed, "cpu"), checkpoint=str(perturbed))
+            first, _, _ = serve_long("first-perturbed")
+            again, hits_same, _ = serve_long("again-perturbed")
+            assert hits_same >= 256, f"the same version reuses its blocks ({hits_same} tokens hit)"
+        version = pub.publish(load_weights(MODEL, "cpu"), checkpoint=str(MODEL))
+    finally:
+        pub.close()
+    app.published, app.committed = True, version
+    after, hits_after, queries_after = serve_long("after")
+    assert queries_after >= len(LONG) and hits_after == 0, f"{hits_after} prompt tokens came from blocks computed under the old weights"
+    assert after.samples[0].token_ids == want_model, first_mismatch([after.samples[0].token_ids], [want_model])
+    assert [(s.version, s.start, s.end) for s in after.samples[0].weight_versions] == [(str(version), 0, LONG_TOKENS)]
+    cached, hits_cached, _ = serve_long("cached")
+    assert hits_cached >= 256, f"the new version's blocks are reused ({hits_cached} tokens hit)"
+    assert cached.samples[0].token_ids == want_model
+    record(
+        prompt_tokens=len(LONG),
+        hits_same_version=hits_same,
+        hits_after_commit=hits_after,
+        queries_after_commit=queries_after,
+        hits_new_version_again=hits_cached,
+        greedy_after_commit="equal",
+        one_replica=len({r.replica_id for r in (first, again, after, cached)}) == 1,
+    )
