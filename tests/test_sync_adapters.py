@@ -216,3 +216,17 @@ async def test_a_staged_adapter_whose_bytes_differ_from_the_published_ones_is_no
         assert adapters.engine.loaded == {} and adapters.versions() == {}
     finally:
         adapters.close()
+
+
+def test_model_lora_feeds_the_engine_arguments_and_refuses_a_cpu_cache_smaller_than_a_batch(model_dir):
+    from pydantic import ValidationError
+
+    from rollout.config import LoraConfig, ModelConfig
+    from rollout.engine.args import engine_kwargs
+
+    off = engine_kwargs(ModelConfig(path=str(model_dir), kv_cache_memory_bytes=64 << 20), "cpu")
+    assert "enable_lora" not in off, "engines start without LoRA unless it is enabled"
+    on = engine_kwargs(ModelConfig(path=str(model_dir), kv_cache_memory_bytes=64 << 20, lora={"enabled": True, "max_loras": 2, "max_lora_rank": 8}), "cpu")
+    assert (on["enable_lora"], on["max_loras"], on["max_lora_rank"], on["max_cpu_loras"]) == (True, 2, 8, None)
+    with pytest.raises(ValidationError, match="max_cpu_loras"):
+        LoraConfig(max_loras=4, max_cpu_loras=2)
