@@ -131,6 +131,13 @@ class RolloutRequest(_Input):
     reward: Optional[RewardSpec] = Field(
         default=None, description="Score each sample when it finishes (`Sample.reward`); replaces `rewards.default` for this request."
     )
+    adapter: Optional[str] = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="A published LoRA adapter (`WeightPublisher.publish_adapter`) to generate with, by name: its newest committed version when the request starts, "
+        "to the request's end (each `weight_versions` span names it). None: the base model. An adapter not published is refused (400 naming `adapter`).",
+    )
     min_weight_version: Optional[NonNegativeInt] = Field(
         default=None,
         description="Generate only with policy version >= this; a replica still behind holds the request until it serves it (up to `sync.timeout_s`), then fails it as retryable. "
@@ -155,11 +162,15 @@ class RolloutRequest(_Input):
 
 
 class WeightVersionSpan(_Model):
-    """Tokens ``[start, end)`` of a sample were produced by policy ``version``."""
+    """Tokens ``[start, end)`` of a sample were produced by policy ``version`` (the base
+    weights' version), with LoRA adapter ``adapter`` at ``adapter_version`` when the
+    request named one."""
 
     version: str
     start: int
     end: int
+    adapter: Optional[str] = None
+    adapter_version: Optional[int] = None
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]

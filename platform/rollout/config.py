@@ -42,6 +42,34 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(_Section):
+    """LoRA adapters published as policies (``WeightPublisher.publish_adapter``): vLLM's
+    LoRA support in every engine replica, off unless enabled."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Start every engine with vLLM's LoRA support, so trainers can publish adapters (`publish_adapter`) and requests can name them.",
+    )
+    max_loras: int = Field(
+        default=4, ge=1, le=256, description="Most adapters one engine batch runs at once (vLLM's `max_loras`), 1..256; more stay loaded and wait their turn."
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=512, description="Highest adapter rank an engine accepts (vLLM's `max_lora_rank`), 1..512; a publish of a higher rank is refused naming `config.r`."
+    )
+    max_cpu_loras: Optional[int] = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="Adapters each engine keeps loaded in host memory (vLLM's `max_cpu_loras`), 1..4096; defaults to `max_loras`. Every live adapter should fit.",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_the_batch(self) -> "LoraConfig":
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        return self
+
+
 class ModelConfig(_Section):
     """The model every engine replica serves, and how vLLM runs it."""
 
@@ -92,6 +120,7 @@ class ModelConfig(_Section):
     enforce_eager: bool = Field(
         default=False, description="Disable CUDA graphs / compilation (faster start, slower decode)."
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters as published policies.")
 
     @property
     def tokenizer_path(self) -> str:

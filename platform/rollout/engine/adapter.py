@@ -20,6 +20,7 @@ from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits
 from rollout.episodes import render_initial
 from rollout.errors import EngineUnavailableError, InvalidRequestError
+from rollout.sync.adapters import ServedAdapter
 from rollout.sync.version import INITIAL_VERSION_LABEL
 from rollout.tools.calling import TurnPlan
 
@@ -100,9 +101,12 @@ class EngineAdapter:
 
         return tokens_input(prompt_ids, cache_salt=cache_salt)
 
-    async def generate(self, req: RolloutRequest, prompt_ids: list[int], turn: Optional[EpisodeTurnSampling] = None, cache_salt: Optional[str] = None) -> Generated:
+    async def generate(
+        self, req: RolloutRequest, prompt_ids: list[int], turn: Optional[EpisodeTurnSampling] = None, cache_salt: Optional[str] = None, lora: Optional[ServedAdapter] = None
+    ) -> Generated:
         """Run one request to its end; cancelling this aborts it in the engine.
-        ``cache_salt``: its prefix-cache salt (:meth:`SyncGate.salted`)."""
+        ``cache_salt``: its prefix-cache salt (:meth:`SyncGate.salted`); ``lora``: the
+        published adapter version it runs with (None: the base model)."""
         from vllm.exceptions import VLLMClientError
 
         from rollout.engine.convert import to_sample, to_sampling_params
@@ -116,7 +120,7 @@ class EngineAdapter:
         )
         final = None
         try:
-            async for out in self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req)):
+            async for out in self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req), **_lora_kwargs(lora)):
                 final = out
         except (ValueError, VLLMClientError) as e:
             # vLLM checks a structured-output constraint when the request is added.
@@ -124,15 +128,15 @@ class EngineAdapter:
                 raise InvalidRequestError("sampling.structured_outputs", str(e)) from None
             raise
         outputs = sorted(final.outputs, key=lambda c: c.index)
-        return Generated([to_sample(c) for c in outputs], len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
+        return Generated([to_sample(c, lora) for c in outputs], len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
 
-    def stream(self, req: RolloutRequest, prompt_ids: list[int], cache_salt: Optional[str] = None) -> AsyncIterator[Any]:
+    def stream(self, req: RolloutRequest, prompt_ids: list[int], cache_salt: Optional[str] = None, lora: Optional[ServedAdapter] = None) -> AsyncIterator[Any]:
         """vLLM's outputs of one request as they come (each holds only the new tokens);
         the request reaches vLLM with the first."""
         from rollout.engine.convert import to_sampling_params
 
         params = to_sampling_params(req.sampling, req.n, stream=True)
-        return self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req))
+        return self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req), **_lora_kwargs(lora))
 
     # ---- state ------------------------------------------------------------------
 
@@ -158,6 +162,11 @@ class EngineAdapter:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _lora_kwargs(lora: Optional[ServedAdapter]) -> dict[str, Any]:
+    """``AsyncLLM.generate``'s keyword for the adapter, only where there is one."""
+    return {"lora_request": lora.lora_request()} if lora is not None else {}
 
 
 def _prepare_weight_transfer(sync_backend: str) -> Any:

@@ -60,6 +60,9 @@ def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:
         # Scheduler stats feed health checks, stats() and metrics.
         disable_log_stats=False,
     )
+    if model.lora.enabled:
+        # Published adapters (rollout.sync.adapters) load into every engine through vLLM's LoRA support.
+        kw.update(enable_lora=True, max_loras=model.lora.max_loras, max_lora_rank=model.lora.max_lora_rank, max_cpu_loras=model.lora.max_cpu_loras)
     # On CPU this reads the node's free memory: call it where the engine runs.
     kw.update(memory_kwargs(model, device))
     if device == "cuda" and model.tensor_parallel_size > 1:

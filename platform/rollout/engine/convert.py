@@ -9,6 +9,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from rollout.api import RolloutChunk, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
 from rollout.errors import InvalidRequestError
+from rollout.sync.adapters import ServedAdapter
 
 
 def to_structured_outputs(so: Optional[StructuredOutputs]) -> Any:
@@ -64,14 +65,17 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any) -> Optional[list[float
     return [float(step[tid].logprob) for tid, step in zip(token_ids, logprobs)]
 
 
-def spans(completion: Any) -> list[WeightVersionSpan]:
+def spans(completion: Any, lora: Optional[ServedAdapter] = None) -> list[WeightVersionSpan]:
+    """vLLM's per-token version spans, each naming the adapter version the request ran
+    with: fixed for the request's life (a commit serves the next request)."""
+    named = {"adapter": lora.name, "adapter_version": lora.version} if lora is not None else {}
     return [
-        WeightVersionSpan(version=str(s.version), start=s.start, end=s.end)
+        WeightVersionSpan(version=str(s.version), start=s.start, end=s.end, **named)
         for s in (completion.weight_versions or [])
     ]
 
 
-def to_sample(completion: Any) -> Sample:
+def to_sample(completion: Any, lora: Optional[ServedAdapter] = None) -> Sample:
     token_ids = list(completion.token_ids)
     return Sample(
         token_ids=token_ids,
@@ -79,11 +83,11 @@ def to_sample(completion: Any) -> Sample:
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
         text=completion.text,
-        weight_versions=spans(completion),
+        weight_versions=spans(completion, lora),
     )
 
 
-def to_chunk(request_id: str, completion: Any, prompt_token_ids: Optional[list[int]] = None) -> RolloutChunk:
+def to_chunk(request_id: str, completion: Any, prompt_token_ids: Optional[list[int]] = None, lora: Optional[ServedAdapter] = None) -> RolloutChunk:
     token_ids = list(completion.token_ids)
     return RolloutChunk(
         request_id=request_id,
@@ -93,6 +97,6 @@ def to_chunk(request_id: str, completion: Any, prompt_token_ids: Optional[list[i
         text=completion.text or "",
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
-        weight_versions=spans(completion),
+        weight_versions=spans(completion, lora),
         prompt_token_ids=prompt_token_ids,
     )

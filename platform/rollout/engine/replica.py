@@ -48,6 +48,7 @@ from rollout.engine.sync_gate import SyncGate
 from rollout.errors import EngineUnavailableError, InvalidRequestError
 from rollout.logs import show_platform_logs
 from rollout.rewards import RewardScorer
+from rollout.sync.adapters import ServedAdapter
 from rollout.sync.version import version_of
 from rollout.tools.calling import TurnPlan
 
@@ -93,6 +94,11 @@ class RolloutEngine:
         # vLLM's own OpenAI server over this engine, with `vllm serve`'s arguments for it;
         # every request it adds carries its prefix-cache salt.
         self.openai_app = await build_openai_app(SaltedEngine(adapter.engine, self.gate.salted), adapter.serve_argv)
+        if self.gate.sync.adapters is not None:
+            # OpenAI requests name a published adapter by `model`: vLLM's own map of names
+            # to adapters follows every commit (the response's `model` is "<name>@<version>").
+            models = self.openai_app.state.openai_serving_models
+            self.gate.sync.adapters.listen(lambda served: models.lora_requests.__setitem__(served.name, served.lora_request()))
         self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges()) if metrics is not None else None
         logger.info("replica %s ready: %s, limits %s", replica_id, cfg.model.path, adapter.limits)
 
@@ -139,6 +145,7 @@ class RolloutEngine:
     async def _generate(self, requests: Sequence[Any], offset: int = 0, turn: Optional[EpisodeTurnSampling] = None) -> list[RolloutResult]:
         self._raise_if_not_serving()
         prepared = self.admission.prepare(requests, offset)
+        self.gate.check_adapters(prepared, offset)
         # Before counting as in flight: a held request is not the engine being stuck.
         await self.gate.admit(prepared, offset)
         with self.admission.inflight.counted(len(prepared)):
@@ -167,8 +174,10 @@ class RolloutEngine:
 
     async def _generate_one(self, req: RolloutRequest, prompt_ids: list[int], turn: Optional[EpisodeTurnSampling] = None) -> RolloutResult:
         # The salt is taken as the request is added to vLLM (no await between them).
+        # The adapter's newest committed version as the request starts: it keeps it to its end.
+        lora = self.gate.adapter(req.adapter) if req.adapter is not None else None
         with self.gate.salted() as salt:
-            out = await self.adapter.generate(req, prompt_ids, turn, salt)
+            out = await self.adapter.generate(req, prompt_ids, turn, salt, lora)
         self.admission.served(out.prompt_tokens, out.generated_tokens, out.started)
         samples = out.samples
         if turn is None:  # (an episode is scored when it ends, not turn by turn)
@@ -198,9 +207,11 @@ class RolloutEngine:
 
         self._raise_if_not_serving()
         ((req, prompt_ids),) = self.admission.prepare([request])
+        self.gate.check_adapters([(req, prompt_ids)])
         await self.gate.admit([(req, prompt_ids)])
         # Closed with this stream, however it ends: closing it aborts the request in the engine.
-        outputs = contextlib.aclosing(self._salted_stream(req, prompt_ids))
+        lora = self.gate.adapter(req.adapter) if req.adapter is not None else None
+        outputs = contextlib.aclosing(self._salted_stream(req, prompt_ids, lora))
         with self.admission.inflight.counted(1):
             first, generated, started = True, 0, time.monotonic()
             scorer = self.admission.scorer(req)
@@ -210,7 +221,7 @@ class RolloutEngine:
                     async for out in engine_outputs:
                         for c in out.outputs:
                             generated += len(c.token_ids)
-                            chunk = to_chunk(req.request_id, c, prompt_ids if first else None)
+                            chunk = to_chunk(req.request_id, c, prompt_ids if first else None, lora)
                             if scorer is not None:
                                 texts[c.index] += chunk.text
                                 if chunk.finish_reason is not None:
@@ -225,11 +236,11 @@ class RolloutEngine:
                 self.admission.count("error")
                 raise
 
-    async def _salted_stream(self, req: RolloutRequest, prompt_ids: list[int]) -> AsyncIterator[Any]:
+    async def _salted_stream(self, req: RolloutRequest, prompt_ids: list[int], lora: Optional[ServedAdapter] = None) -> AsyncIterator[Any]:
         """The engine's outputs of one request, its salt taken as its first is asked for
         (when vLLM adds the request), held until the stream ends."""
         with self.gate.salted() as salt:
-            async with contextlib.aclosing(self.adapter.stream(req, prompt_ids, salt)) as outputs:
+            async with contextlib.aclosing(self.adapter.stream(req, prompt_ids, salt, lora)) as outputs:
                 async for out in outputs:
                     yield out
 

@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Protocol, runtime_checkable
 from rollout.config import SyncConfig
 from rollout.engine.admission import Prepared
 from rollout.errors import EngineUnavailableError, InvalidRequestError, NotServingError, StaleWeightsError
+from rollout.sync.adapters import ServedAdapter, ServedAdapters
 from rollout.sync.salt import CacheSalts
 
 
@@ -48,6 +49,10 @@ class SyncState(Protocol):
         """Each request's prefix-cache salt, by the version it starts under."""
 
     @property
+    def adapters(self) -> Optional[ServedAdapters]:
+        """The LoRA adapters it serves (None: no weight sync, so none can be published)."""
+
+    @property
     def known_committed(self) -> Optional[int]:
         """The committed version as far as it can vouch for it (None: it cannot)."""
 
@@ -76,6 +81,7 @@ class NoSync:
     version = 0
     committed = 0
     known_committed: Optional[int] = 0
+    adapters: Optional[ServedAdapters] = None  # adapters come through weight sync
 
     def __init__(self) -> None:
         # The weights never change: nothing to salt, a caller's salt stays as it is.
@@ -145,6 +151,24 @@ class SyncGate:
         :mod:`rollout.sync.salt`."""
         with self.sync.salts.request(self.sync.version, caller) as salt:
             yield salt
+
+    def adapter(self, name: str, field: str = "adapter") -> ServedAdapter:
+        """The newest committed version of LoRA adapter ``name`` this replica serves;
+        :class:`InvalidRequestError` on ``field`` when none was published."""
+        adapters = self.sync.adapters
+        if adapters is None:
+            raise InvalidRequestError(field, f"{name!r}: no adapter can be published here (weight sync is disabled, sync.enabled: false)")
+        served = adapters.get(name)
+        if served is None:
+            published = ", ".join(sorted(adapters.versions())) or "none"
+            raise InvalidRequestError(field, f"{name!r} is not a published LoRA adapter (published: {published})")
+        return served
+
+    def check_adapters(self, prepared: Prepared, offset: int = 0) -> None:
+        """Refuse a batch naming an adapter that was not published, before any engine work."""
+        for i, (req, _) in enumerate(prepared, start=offset):
+            if req.adapter is not None:
+                self.adapter(req.adapter, f"requests[{i}].adapter")
 
     def raise_if_broken(self) -> None:
         if self.sync.broken:

@@ -22,7 +22,7 @@ from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.sync.auth import SYNC_TOKEN_HEADER, AccessPolicy, Operation, SyncAuth
 from rollout.sync.coordinator_client import CoordinatorHandle
 from rollout.sync.protocol import SyncError
-from rollout.sync.remote import OUTCOME, PLAN, STORAGE_PLAN, BeginRoundBody, FinishBody, StorageRoundBody
+from rollout.sync.remote import OUTCOME, PLAN, STORAGE_PLAN, AdapterBody, BeginRoundBody, FinishBody, StorageRoundBody
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +226,12 @@ class HttpIngress(VllmRlRoutes):
         # Finished like any round: POST /v1/sync/rounds/{round_id}/finish.
         plan = await self._coordinator().begin_storage(token, body.request())
         return STORAGE_PLAN.dump_python(plan, mode="json")
+
+    @app.post("/v1/sync/adapter-rounds", responses=SYNC_ERRORS)
+    async def sync_publish_adapter(self, body: AdapterBody, token: SyncCredential) -> dict:
+        # One call: nothing is sent besides the body, so the answer is the round's outcome.
+        outcome = await self._coordinator().publish_adapter(token, body.request())
+        return OUTCOME.dump_python(outcome, mode="json")
 
     @app.post("/v1/sync/rounds/{round_id}/finish", responses=SYNC_ERRORS)
     async def sync_finish(self, round_id: str, body: FinishBody, token: SyncCredential) -> dict:

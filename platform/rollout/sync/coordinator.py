@@ -26,7 +26,7 @@ from rollout.config import PlatformConfig
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
 from rollout.sync.membership import Membership
-from rollout.sync.protocol import REREGISTER, Control, FinishUpdate, FleetQuery, OpenSession, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
+from rollout.sync.protocol import REREGISTER, Adapter, AdapterRequest, AdapterRound, Control, FinishUpdate, FleetQuery, OpenSession, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.sync.rounds import Rounds
 from rollout.sync.sessions import RouteSessions
 from rollout.sync.store import CommittedWeights
@@ -118,6 +118,27 @@ class WeightSyncCoordinator:
         await self._authorize(token)
         return await self.rounds.storage(request)
 
+    async def publish_adapter(self, token: Optional[str], request: AdapterRequest) -> RoundOutcome:
+        """Publish a LoRA adapter (``model.lora.enabled``): every live replica loads it,
+        all or none; returns the decision (``version``: the adapter's committed version)
+        once every member serves it. Bad config or tensors: ``InvalidRequestError`` naming
+        the field or the tensor, before any replica changes."""
+        await self._authorize(token)
+        lora = self.config.model.lora
+        if not lora.enabled:
+            raise SyncError("LoRA adapters are off: the engines start with vLLM's LoRA support only with model.lora.enabled: true")
+        return await self.rounds.adapter(request, max_rank=lora.max_lora_rank, served_name=self.config.model.name)
+
+    async def adapters(self, replica_id: str) -> list[Adapter]:
+        """Every committed adapter, for a replica to load before its first request (catch-up).
+        Asked while an adapter round is undecided, it answers after the decision: a replica
+        that registered too late to be a member still gets what that round commits."""
+        self.membership.seen(replica_id)
+        rnd = self.rounds.current
+        if rnd is not None and isinstance(rnd.plan, AdapterRound) and replica_id not in rnd.member_ids:
+            await rnd.decided.wait()
+        return list(self.store.adapters.values())
+
     async def restore(self, replica_id: str) -> Union[PullRound, ReloadRound]:
         """Open a round that brings one replica to the committed weights.
 
@@ -168,6 +189,8 @@ class WeightSyncCoordinator:
             "committed_digest": self.rounds.committed_digest(),
             **self.rounds.status(),
             "weight_copy_version": self.store.copy_version,
+            # name -> committed version of every published LoRA adapter
+            "adapters": {name: a.version for name, a in self.store.adapters.items()},
             "backend": self.backend,
         }
 

@@ -20,7 +20,7 @@ from rollout.errors import unwrap_remote
 from rollout.sync.protocol import Control, CoordinatorUnreachableError, SyncError
 
 if TYPE_CHECKING:
-    from rollout.sync.protocol import ParamSpec, PushRound, Reregister, Round, RoundOutcome, RoundRequest, RouteCommand, SessionPlan, StorageRequest, StorageRound
+    from rollout.sync.protocol import Adapter, AdapterRequest, ParamSpec, PushRound, Reregister, Round, RoundOutcome, RoundRequest, RouteCommand, SessionPlan, StorageRequest, StorageRound
 
     NextRound = Union[Round, SessionPlan, Control, Reregister, None]
 
@@ -67,6 +67,9 @@ class CoordinatorHandle:
     async def applied(self, round_id: str, replica_id: str, version: int, phases: Optional[dict[str, float]] = None) -> None:
         return await _answer(self._handle.applied.remote(round_id, replica_id, version, phases))
 
+    async def adapters(self, replica_id: str) -> list[Adapter]:
+        return await _answer(self._handle.adapters.remote(replica_id))
+
     async def joined(self, session_id: str, replica_id: str, error: Optional[str]) -> None:
         return await _answer(self._handle.joined.remote(session_id, replica_id, error))
 
@@ -83,6 +86,9 @@ class CoordinatorHandle:
 
     async def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound:
         return await _answer(self._handle.begin_storage.remote(token, request))
+
+    async def publish_adapter(self, token: Optional[str], request: AdapterRequest) -> RoundOutcome:
+        return await _answer(self._handle.publish_adapter.remote(token, request))
 
     async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
         return await _answer(self._handle.finish.remote(token, round_id, error, *_trailing(digests)))
@@ -134,6 +140,9 @@ class BlockingCoordinatorHandle:
 
     def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound:
         return self._result(lambda: self.handle.begin_storage.remote(token, request), "begin_storage", None)
+
+    def publish_adapter(self, token: Optional[str], request: AdapterRequest, timeout_s: Optional[float] = None) -> RoundOutcome:
+        return self._result(lambda: self.handle.publish_adapter.remote(token, request), "publish_adapter", timeout_s)
 
     def finish(
         self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None

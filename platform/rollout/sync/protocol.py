@@ -126,6 +126,36 @@ class StorageRequest:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """One version of a LoRA adapter, as a trainer published it: PEFT's two files, the
+    config (``adapter_config.json``) and the tensors (``adapter_model.safetensors``, the
+    file's bytes). Adapters are a few MB: the bytes travel through the coordinator, which
+    keeps every committed one for the replicas that start later."""
+
+    name: str  # what requests name (token API ``adapter``, OpenAI ``model``)
+    version: int  # this adapter's own version: 1, 2, ... (the base weights keep theirs)
+    config: dict
+    tensors: bytes
+    digest: str  # sha256 of ``tensors``: each replica checks what it wrote against it
+
+    def __repr__(self) -> str:  # never the bytes in a log line
+        return f"Adapter({self.name!r}, version={self.version}, {len(self.tensors)} bytes, sha256 {self.digest[:12]})"
+
+
+@dataclass(frozen=True)
+class AdapterRequest:
+    """What a publisher asks for to publish a LoRA adapter (``publish_adapter``)."""
+
+    name: str
+    config: dict  # PEFT's adapter_config.json
+    tensors: bytes  # PEFT's adapter_model.safetensors, as the file's bytes
+    version: Optional[int] = None  # default: the adapter's committed version + 1 (1 for a new one)
+
+    def __repr__(self) -> str:
+        return f"AdapterRequest({self.name!r}, version={self.version}, {len(self.tensors)} bytes)"
+
+
+@dataclass(frozen=True)
 class Member:
     replica_id: str
     rank_offset: int
@@ -288,7 +318,27 @@ class SessionRound(_TransferRound):
     keeper_rank: Optional[int] = None  # the coordinator's copy receives in the round as this rank
 
 
-Round = Union[PushRound, PullRound, ReloadRound, StorageRound, SessionRound]
+@dataclass(frozen=True, kw_only=True)
+class AdapterRound(_RoundBase):
+    """A LoRA adapter's publish (:class:`AdapterRequest`): every member writes it to a
+    private directory and loads it into its engine beside the adapters it serves (vLLM's
+    ``add_lora``, under an id of this version's own); on a commit it serves the new version
+    under the adapter's name, on an abort it drops it and keeps serving the one before.
+    ``version`` is the adapter's version; the base weights do not change."""
+
+    kind: Literal["adapter"] = field(default="adapter", init=False)
+    adapter: Adapter
+
+    @property
+    def pause_mode(self) -> PauseMode:
+        return "keep"  # nothing pauses: requests on other adapters (or none) go on
+
+    def __post_init__(self) -> None:
+        if self.adapter.version != self.version:
+            raise ValueError(f"{self.round_id}: the round commits version {self.version}, its adapter is version {self.adapter.version}")
+
+
+Round = Union[PushRound, PullRound, ReloadRound, StorageRound, SessionRound, AdapterRound]
 RESTORE_ROUNDS = (PullRound, ReloadRound)  # bring one member back to the committed version
 
 

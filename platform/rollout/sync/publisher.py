@@ -27,8 +27,10 @@ from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import make_sender
 from rollout.sync.backends.base import CopySender, Sender
+from rollout.sync.adapters import config_json, encode_tensors
 from rollout.sync.protocol import (
     COORDINATOR_NAME,
+    AdapterRequest,
     SYNC_TOKEN_ENV,
     CoordinatorUnreachableError,
     ParamSpec,
@@ -339,6 +341,40 @@ class WeightPublisher:
             logger.warning(
                 "version %d committed, but %s did not confirm serving it within the step deadline (last_outcome.unconfirmed)", outcome.version, outcome.unconfirmed
             )
+        return outcome.version
+
+    def publish_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], config: Mapping, version: Optional[int] = None) -> int:
+        """Publish a LoRA adapter: PEFT's tensors (``base_model.model.<module>.lora_A.weight``
+        / ``.lora_B.weight``, as ``get_peft_model_state_dict`` names them) and its config
+        (``adapter_config.json``: ``r``, ``lora_alpha``, ``target_modules``). Every live
+        replica loads it through vLLM's LoRA support (``model.lora.enabled``), all or none;
+        returns the adapter's committed version (1, 2, ... per adapter; the base weights
+        keep theirs) once every replica serves it to the next request naming ``name``.
+        Replicas that start later load every committed adapter before their first request.
+
+        Raises ``InvalidRequestError`` naming the field (``name``, ``config.r``, ...) or the
+        tensor (``tensors["..."]``) before any replica changes, and ``SyncError`` when the
+        round fails: every replica keeps serving the adapter's version before.
+        """
+        t0 = time.perf_counter()
+        request = AdapterRequest(name=name, config=config_json(config), tensors=encode_tensors(tensors), version=version)
+        try:
+            # Checked, loaded and decided in one call: the coordinator bounds it (the
+            # round's deadline, then a step for the members to serve it).
+            outcome = self._coordinator.publish_adapter(self._token, request)
+        except CoordinatorUnreachableError as e:
+            raise CoordinatorUnreachableError(
+                f"publishing adapter {name!r}: {e}. The round aborts at its deadline (replicas keep the adapter's committed version) "
+                "unless it was decided; status()['adapters'] has the committed versions once the coordinator answers"
+            ) from None
+        self.last_outcome = outcome
+        self.last_phases = {"commit": time.perf_counter() - t0}
+        self.last_group_kept = False
+        if not outcome.committed:
+            raise SyncError(f"{outcome.round_id} aborted: {outcome.error}; replicas keep adapter {name!r} version {outcome.version}")
+        self.last_sync_s = time.perf_counter() - t0
+        if outcome.unconfirmed:
+            logger.warning("adapter %r version %d committed, but %s did not confirm serving it within the step deadline", name, outcome.version, outcome.unconfirmed)
         return outcome.version
 
     def _start_copy(self, sender: CopySender, plan: PushRound) -> None:

@@ -4,6 +4,8 @@ over the transfer group the round's plan describes."""
 
 from __future__ import annotations
 
+import base64
+
 from typing import Annotated, Any, Optional, Protocol
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
@@ -12,7 +14,7 @@ from rollout.api import NonNegativeInt, _integral
 from rollout.errors import InvalidRequestError
 from rollout.sync.auth import SYNC_TOKEN_HEADER
 from rollout.sync.coordinator_client import BlockingCoordinatorHandle
-from rollout.sync.protocol import CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, StorageRequest, StorageRound, SyncError
+from rollout.sync.protocol import AdapterRequest, CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, StorageRequest, StorageRound, SyncError
 from rollout.wire_errors import decode
 
 PLAN = TypeAdapter(PushRound)  # begin_round's answer: a publish round
@@ -95,6 +97,30 @@ class StorageRoundBody(BaseModel):
         return StorageRequest(checkpoint=self.checkpoint, manifest=self.manifest, params=tuple(p.spec() for p in self.params), version=self.version)
 
 
+class AdapterBody(BaseModel):
+    """Body of ``POST /v1/sync/adapter-rounds``: publish a LoRA adapter
+    (``WeightPublisher.publish_adapter``); the answer is the round's outcome."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=128, description="What requests name: the token API's `adapter`, the OpenAI `model`.")
+    config: dict[str, Any] = Field(description="PEFT's `adapter_config.json` (`r`, `lora_alpha`, `target_modules`, ...).")
+    tensors: str = Field(min_length=1, description="PEFT's `adapter_model.safetensors`, the file's bytes in base64.")
+    version: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(
+        default=None, description="Above the adapter's committed version; default: that version + 1 (1 for a new adapter)."
+    )
+
+    @classmethod
+    def of(cls, request: AdapterRequest) -> "AdapterBody":
+        return cls(name=request.name, config=dict(request.config), tensors=base64.b64encode(request.tensors).decode("ascii"), version=request.version)
+
+    def request(self) -> AdapterRequest:
+        try:
+            tensors = base64.b64decode(self.tensors, validate=True)
+        except ValueError as e:
+            raise InvalidRequestError("tensors", f"not base64: {e}") from None
+        return AdapterRequest(name=self.name, config=self.config, tensors=tensors, version=self.version)
+
+
 class FinishBody(BaseModel):
     """Body of ``POST /v1/sync/rounds/{round_id}/finish``: the trainer sent everything
     (``error`` null) or gives up, which aborts the round."""
@@ -117,6 +143,8 @@ class CoordinatorClient(Protocol):
     def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound: ...
 
     def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound: ...
+
+    def publish_adapter(self, token: Optional[str], request: AdapterRequest, timeout_s: Optional[float] = None) -> RoundOutcome: ...
 
     def finish(
         self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
@@ -175,6 +203,10 @@ class HttpCoordinator:
     ) -> RoundOutcome:
         body = FinishBody(error=error, digests=digests).model_dump(mode="json")
         return OUTCOME.validate_python(self._post(f"/v1/sync/rounds/{round_id}/finish", body, token, timeout_s))
+
+    def publish_adapter(self, token: Optional[str], request: AdapterRequest, timeout_s: Optional[float] = None) -> RoundOutcome:
+        body = AdapterBody.of(request).model_dump(mode="json")
+        return OUTCOME.validate_python(self._post("/v1/sync/adapter-rounds", body, token, timeout_s))
 
     def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
         return self._request("GET", "/v1/sync/status", timeout_s)

@@ -25,8 +25,11 @@ from rollout.errors import InvalidRequestError
 from rollout.sync import digest as digests_
 from rollout.sync.backends import get_backend
 from rollout.sync.membership import Membership
+from rollout.sync.adapters import adapter_of, check_adapter
 from rollout.sync.protocol import (
     RESTORE_ROUNDS,
+    AdapterRequest,
+    AdapterRound,
     CopyGroup,
     Member,
     PullRound,
@@ -243,8 +246,8 @@ class Rounds:
             self._kept = None
         if isinstance(plan, PushRound) and copy_rank is not None:
             self.copy_receives(rnd)
-        elif isinstance(plan, ReloadRound):
-            rnd.sender_done = True  # nothing is sent: the member's report decides
+        elif isinstance(plan, (ReloadRound, AdapterRound)):
+            rnd.sender_done = True  # nothing is sent (an adapter's bytes are in the plan): the members' reports decide
         elif isinstance(plan, PullRound):
             loop.create_task(self._send_from_copy(rnd))
         return rnd
@@ -343,6 +346,28 @@ class Rounds:
             self.open(plan)
         logger.info("opened %s: version %d to %d replicas from %s", plan.round_id, plan.version, len(plan.members), plan.checkpoint)
         return plan
+
+    async def adapter(self, request: AdapterRequest, *, max_rank: Optional[int] = None, served_name: str = "") -> RoundOutcome:
+        """Publish a LoRA adapter: check it (:func:`~rollout.sync.adapters.check_adapter`,
+        against the served model's parameters where a replica registered them), open its
+        round, and return the decision once every member serves it (or the round aborted:
+        every replica keeps the adapter's version before). With no live replica it commits
+        into the store alone, and replicas that start later load it."""
+        check_adapter(request, self.membership.params, max_rank=max_rank, served_name=served_name)
+        self._check_adapter_version(request)
+        async with self.opening():
+            self._check_adapter_version(request)  # again: a round may have committed while this one waited
+            version = self.store.adapter_version(request.name) + 1 if request.version is None else request.version
+            members, _ = assign_ranks(self.live())
+            plan = AdapterRound(**self.fields("adapter", version, members, params=()), adapter=adapter_of(request, version))
+            self.open(plan)
+        logger.info("opened %s: adapter %s version %d (%d bytes) to %d replicas", plan.round_id, request.name, version, len(request.tensors), len(plan.members))
+        return await self.finish(plan.round_id)
+
+    def _check_adapter_version(self, request: AdapterRequest) -> None:
+        committed = self.store.adapter_version(request.name)
+        if request.version is not None and request.version <= committed:
+            raise InvalidRequestError("version", f"{request.version} must be greater than adapter {request.name!r}'s committed version {committed}")
 
     async def restore(self, replica_id: str) -> Union[PullRound, ReloadRound]:
         """Open a round that brings one replica to the committed weights, from whichever
@@ -464,7 +489,8 @@ class Rounds:
         restore = isinstance(plan, RESTORE_ROUNDS)
         if self.metrics is not None:
             nbytes = sum(p.nbytes for p in plan.params)
-            self.metrics.round("restore" if restore else "publish", committed, time.monotonic() - rnd.opened_at, nbytes, reason)
+            kind = "restore" if restore else "adapter" if isinstance(plan, AdapterRound) else "publish"
+            self.metrics.round(kind, committed, time.monotonic() - rnd.opened_at, nbytes, reason)
         self.store.decided(plan, committed, rnd.version)
         received = {rid: digests_.combine(d) for rid, d in rnd.received.items()}
         if committed:
@@ -483,7 +509,7 @@ class Rounds:
             # (an engine keeps it only across the publish rounds it serves).
             self._kept = None
         rnd.outcome = RoundOutcome(
-            plan.round_id, committed, self.store.version, error or "", failed, unreachable="" if committed else rnd.unreachable,
+            plan.round_id, committed, self.store.committed_version(plan), error or "", failed, unreachable="" if committed else rnd.unreachable,
             digest=digests_.combine(expected) if expected is not None else "", replica_digests=received, mismatched=mismatched,
         )
         self.last_outcome = rnd.outcome

@@ -12,6 +12,11 @@ the committed version:
 * a :class:`PullRound`: the coordinator's own copy (where the backend keeps one, gloo's
   :class:`~rollout.sync.keeper.WeightKeeper`), which the coordinator sends;
 * else :class:`NoCommittedCopyError`: the next publish brings the weights.
+
+It also keeps every committed LoRA adapter (:class:`~rollout.sync.protocol.Adapter`, name ->
+its newest committed version, bytes included: a few MB each), which a replica that starts
+later loads before its first request. Adapters have versions of their own: an adapter
+round leaves the base version as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import get_backend
 from rollout.sync.net import PortRange
-from rollout.sync.protocol import RESTORE_ROUNDS, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
+from rollout.sync.protocol import RESTORE_ROUNDS, Adapter, AdapterRound, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,19 @@ class CommittedWeights:
         self._offered: dict[str, tuple[str, str]] = {}
         self._checkpoint: Optional[tuple[int, str, str]] = None  # (version, directory, manifest id) of the last commit that named one
         self._copy: Optional[asyncio.Task] = None  # the keeper receiving the last commit's copy
+        # name -> the committed version of each published adapter. Like the base version, a
+        # restarted coordinator holds none until the next publish of each.
+        self.adapters: dict[str, Adapter] = {}
+
+    def adapter_version(self, name: str) -> int:
+        """The committed version of adapter ``name`` (0: none committed)."""
+        held = self.adapters.get(name)
+        return held.version if held is not None else 0
+
+    def committed_version(self, plan: Round) -> int:
+        """The committed version after deciding ``plan``, as its outcome names it: an
+        adapter round's adapter's, else the base weights'."""
+        return self.adapter_version(plan.adapter.name) if isinstance(plan, AdapterRound) else self.version
 
     @property
     def keeps_copy(self) -> bool:
@@ -133,6 +151,10 @@ class CommittedWeights:
     def decided(self, plan: Round, committed: bool, version: int) -> None:
         """Round ``plan`` was decided: on a commit ``version`` is the committed version, and
         whatever holds its weights (the named directory, the copy) is what restores use."""
+        if isinstance(plan, AdapterRound):
+            if committed:
+                self.adapters[plan.adapter.name] = plan.adapter
+            return  # the base weights, and what holds them, are as they were
         checkpoint = self._offered.pop(plan.round_id, None)
         if committed:
             self.version = version

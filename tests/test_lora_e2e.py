@@ -1,0 +1,152 @@
+"""LoRA adapters as versioned policies end to end: real Ray, Serve, vLLM (CPU) with its
+LoRA support, the coordinator and the HTTP ingress.
+
+Runs last but one (before test_scaling_e2e, which replaces the shared app too): it
+replaces the shared app with one whose engines start with LoRA on (``model.lora``), so
+the other modules' engines keep starting without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import ray
+import torch
+
+from rollout.api import RolloutRequest, SamplingConfig
+from rollout.client import RolloutClient
+from rollout.errors import InvalidRequestError
+from rollout.sync import WeightPublisher
+from tests.conftest import API_KEY, KV_BYTES, MAX_MODEL_LEN, SYNC_TOKEN
+from tests.lora import demo_adapter, reference_with_lora, write_adapter
+
+pytestmark = pytest.mark.e2e
+
+APP = "rollout-lora"
+PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 5]
+TOKENS = 16
+RANK = 8
+
+
+@pytest.fixture(scope="module")
+def lora_app(ray_cluster, platform_config, model_dir):
+    """The shared app replaced by one with LoRA on; yields a function that (re)deploys it
+    with ``replicas`` engine replicas (a new count is a scale: same engines, same coordinator)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    from rollout.app import deploy
+    from rollout.config import LoraConfig
+
+    try:
+        serve.delete(platform_config.app_name)
+    except RayServeException:
+        pass  # Serve is not running yet: no shared app to replace
+    model = platform_config.model.model_copy(update={"lora": LoraConfig(enabled=True, max_loras=2, max_lora_rank=RANK)})
+    base = platform_config.model_copy(update={"app_name": APP, "model": model})
+
+    def scaled(replicas: int):
+        cfg = base.model_copy(update={"deployment": base.deployment.model_copy(update={"replicas": replicas})})
+        deploy(cfg)
+        return cfg
+
+    yield scaled
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    """Versions 1 and 2 of adapter "math" (different tensors), and their PEFT directories."""
+    out = []
+    for seed in (1, 2):
+        tensors, config = demo_adapter(model_dir, seed, r=RANK)
+        out.append((tensors, config, write_adapter(tmp_path_factory.mktemp(f"adapter-v{seed}"), tensors, config)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_reference(ray_cluster, model_dir, adapters):
+    """A fresh vLLM engine with LoRA on: the base model's and each adapter version's greedy output."""
+    engine = reference_with_lora(MAX_MODEL_LEN, KV_BYTES, RANK)
+    ray.get(engine.start.remote(str(model_dir)))
+    return {
+        "base": ray.get(engine.greedy.remote(PROMPTS, TOKENS)),
+        1: ray.get(engine.greedy.remote(PROMPTS, TOKENS, adapters[0][2], 1)),
+        2: ray.get(engine.greedy.remote(PROMPTS, TOKENS, adapters[1][2], 2)),
+    }
+
+
+def greedy(ids, session: str, adapter: str | None = "math") -> RolloutRequest:
+    return RolloutRequest(prompt_token_ids=ids, session_id=session, adapter=adapter, sampling=SamplingConfig(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+
+
+async def assert_every_replica_serves(client, want: list[list[int]], replicas: int, adapter_version: int | None, rounds: int = 6) -> None:
+    """Greedy with adapter "math" (None: without) on every replica equals ``want``, and its
+    spans name the adapter version."""
+    seen = set()
+    for k in range(rounds):
+        # Separate calls with distinct sessions: the affinity router spreads them over every replica.
+        results = await asyncio.gather(*(client.generate([greedy(p, f"lora-{adapter_version}-{k}-{i}", "math" if adapter_version else None)]) for i, p in enumerate(PROMPTS)))
+        for (r,), expected in zip(results, want):
+            sample = r.samples[0]
+            assert sample.token_ids == expected, f"replica {r.replica_id}"
+            assert [(s.adapter, s.adapter_version, s.start, s.end) for s in sample.weight_versions] == [("math" if adapter_version else None, adapter_version, 0, TOKENS)]
+            seen.add(r.replica_id)
+    assert len(seen) == replicas, f"requests reached only {seen}"
+
+
+async def test_an_adapter_serves_like_a_fresh_engine_with_it_on_every_replica_and_the_next_version_is_seen_at_once(lora_app, adapters, lora_reference):
+    reference = lora_reference
+    assert reference[1] != reference["base"] and reference[2] != reference[1], "the adapters must change greedy output for this test to tell them apart"
+    cfg = await asyncio.to_thread(lora_app, 1)
+    base_url = f"http://127.0.0.1:{cfg.http.port}"  # the shared app's port (Serve runs one HTTP proxy), not its fixture: it is not deployed
+    client = RolloutClient.connect(app_name=cfg.app_name)
+    http_client = RolloutClient.http(base_url, api_key=API_KEY)
+    publisher = WeightPublisher.connect(app_name=cfg.app_name, token=SYNC_TOKEN)
+    try:
+        # Before any publish: a request naming it is refused, naming the field (400 over HTTP).
+        with pytest.raises(InvalidRequestError) as e:
+            await http_client.generate([greedy(PROMPTS[0], "unknown")])
+        assert e.value.field == "requests[0].adapter" and "not a published LoRA adapter" in e.value.message
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"requests": [greedy(PROMPTS[0], "raw").model_dump(mode="json", exclude_none=True) | {"adapter": "nope"}]}
+            r = await http.post(f"{base_url}/v1/rollouts", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "requests[0].adapter", r.text
+
+        # A bad publish is refused naming the tensor, before any replica changes.
+        tensors, config, _ = adapters[0]
+        q_a = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+        with pytest.raises(InvalidRequestError) as e:
+            await asyncio.to_thread(publisher.publish_adapter, "math", {**tensors, q_a: torch.zeros(RANK, 3)}, config)
+        assert e.value.field == f'tensors["{q_a}"]'
+
+        assert await asyncio.to_thread(publisher.publish_adapter, "math", tensors, config) == 1
+
+        # A replica that starts after the publish loads the adapter before its first request.
+        await asyncio.to_thread(lora_app, 2)
+        await assert_every_replica_serves(client, reference[1], 2, adapter_version=1)
+        await assert_every_replica_serves(client, reference["base"], 2, adapter_version=None)
+
+        # Version 2, published over HTTP: the next request on every replica runs it.
+        http_publisher = WeightPublisher.http(base_url, api_key=API_KEY, token=SYNC_TOKEN)
+        tensors2, config2, _ = adapters[1]
+        assert await asyncio.to_thread(http_publisher.publish_adapter, "math", tensors2, config2) == 2
+        await assert_every_replica_serves(client, reference[2], 2, adapter_version=2, rounds=4)
+        status = await asyncio.to_thread(http_publisher.status)
+        assert status["adapters"] == {"math": 2} and status["committed_version"] == 0
+
+        # The OpenAI routes take the adapter by `model`; an unknown one is vLLM's own 404 naming it.
+        async with httpx.AsyncClient(timeout=120) as http:
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            r = await http.post(f"{base_url}/v1/completions", headers=headers, json={"model": "math", "prompt": PROMPTS[0], "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == reference[2][0]
+            assert r.json()["model"] == "math@2", "vLLM names the adapter version that answered"
+            r = await http.post(f"{base_url}/v1/completions", headers=headers, json={"model": "nope", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 404 and "nope" in r.text, r.text
+    finally:
+        publisher.close()
+        client.close()
+        http_client.close()

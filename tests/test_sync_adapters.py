@@ -1,0 +1,232 @@
+"""LoRA adapters as versioned policies, in one process: what a publish must hold (refused
+naming the field or the tensor), and the coordinator with real sync agents over stand-in
+engines (all or none, catch-up, versions per adapter) without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from rollout.errors import InvalidRequestError
+from rollout.sync.adapters import ServedAdapters, adapter_of, check_adapter, encode_tensors
+from rollout.sync.agent import SyncAgent
+from rollout.sync.checkpoint import checkpoint_spec
+from rollout.sync.protocol import AdapterRequest, SyncError
+from tests.inprocess import InProcess
+from tests.lora import demo_adapter
+
+
+def request(model_dir, seed=0, **changes) -> AdapterRequest:
+    tensors, config = demo_adapter(model_dir, seed)
+    return AdapterRequest(name=changes.pop("name", "math"), config={**config, **changes.pop("config", {})}, tensors=changes.pop("tensors", None) or encode_tensors(tensors), **changes)
+
+
+def refused(model_dir, req: AdapterRequest, **kwargs) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as e:
+        check_adapter(req, checkpoint_spec(str(model_dir)), **kwargs)
+    return e.value
+
+
+# ---- what a publish must hold ---------------------------------------------------------
+
+
+def test_a_peft_adapter_of_the_served_model_passes(model_dir):
+    check_adapter(request(model_dir), checkpoint_spec(str(model_dir)), max_rank=8, served_name="model")
+    # PEFT's LoraConfig.to_dict() keeps target_modules as a set: stored as adapter_config.json holds it.
+    as_peft = request(model_dir, config={"target_modules": {"q_proj", "v_proj", "down_proj"}})
+    check_adapter(as_peft, checkpoint_spec(str(model_dir)))
+    assert adapter_of(as_peft, 1).config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+
+
+def test_bad_names_and_configs_are_refused_naming_the_field(model_dir):
+    assert refused(model_dir, request(model_dir, name="no spaces")).field == "name"
+    assert refused(model_dir, request(model_dir, name="model"), served_name="model").field == "name"
+    assert refused(model_dir, request(model_dir, version=0)).field == "version"
+    e = refused(model_dir, request(model_dir), max_rank=4)
+    assert e.field == "config.r" and "max_lora_rank (4)" in e.message
+    assert refused(model_dir, request(model_dir, config={"r": "8"})).field == "config.r"
+    assert refused(model_dir, request(model_dir, config={"lora_alpha": 0})).field == "config.lora_alpha"
+    assert refused(model_dir, request(model_dir, config={"target_modules": []})).field == "config.target_modules"
+    assert refused(model_dir, request(model_dir, config={"peft_type": "IA3"})).field == "config.peft_type"
+
+
+def test_tensors_that_do_not_fit_are_refused_naming_the_tensor(model_dir):
+    tensors, _ = demo_adapter(model_dir, 0)
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+    wrong_rank = dict(tensors, **{q_a: torch.zeros(4, 128)})
+    e = refused(model_dir, request(model_dir, tensors=encode_tensors(wrong_rank)))
+    assert e.field == f'tensors["{q_a}"]' and "(r=8, in)" in e.message
+
+    wrong_in = dict(tensors, **{q_a: torch.zeros(8, 64)})
+    e = refused(model_dir, request(model_dir, tensors=encode_tensors(wrong_in)))
+    assert e.field == f'tensors["{q_a}"]' and "in dimension is 128" in e.message
+
+    no_b = {k: v for k, v in tensors.items() if k != q_a.replace("lora_A", "lora_B")}
+    e = refused(model_dir, request(model_dir, tensors=encode_tensors(no_b)))
+    assert e.field == f'tensors["{q_a.replace("lora_A", "lora_B")}"]' and "missing" in e.message
+
+    unknown = dict(tensors, **{"base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": torch.zeros(8, 128)})
+    e = refused(model_dir, request(model_dir, tensors=encode_tensors(unknown)))
+    assert "layers.9" in e.field and "no model.layers.9.self_attn.q_proj.weight" in e.message
+
+    untargeted = dict(tensors, **{"base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight": torch.zeros(8, 128)})
+    assert "k_proj" in refused(model_dir, request(model_dir, tensors=encode_tensors(untargeted))).field
+
+    not_peft = dict(tensors, **{"model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 128)})
+    assert refused(model_dir, request(model_dir, tensors=encode_tensors(not_peft))).field == 'tensors["model.layers.0.self_attn.q_proj.weight"]'
+
+    whole = encode_tensors(tensors)
+    e = refused(model_dir, request(model_dir, tensors=whole[: len(whole) // 2]))
+    assert e.field.startswith("tensors") and "truncated" in e.message
+    assert refused(model_dir, request(model_dir, tensors=b"not a file")).field == "tensors"
+
+
+# ---- the coordinator and the replicas' agents -------------------------------------------
+
+
+class LoraEngine:
+    """Stands in for vLLM's AsyncLLM as far as adapters go: what is loaded, by id. With
+    ``refuse`` set, its add_lora fails as vLLM's does for an adapter it cannot load."""
+
+    def __init__(self, refuse: bool = False):
+        self.loaded: dict[int, object] = {}
+        self.refuse = refuse
+
+    async def get_weight_version(self):
+        return "0"
+
+    async def add_lora(self, lora_request) -> bool:
+        if self.refuse:
+            raise ValueError("LoRA rank 8 is greater than max_lora_rank 4")
+        with open(f"{lora_request.lora_path}/adapter_config.json") as f:
+            json.load(f)  # what vLLM's loader reads first
+        self.loaded[lora_request.lora_int_id] = lora_request
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.loaded.pop(lora_id, None) is not None
+
+
+def coordinator_for(model_dir, enabled: bool = True):
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    config = {"model": {"path": str(model_dir), "lora": {"enabled": enabled, "max_lora_rank": 8}}, "metrics": {"enabled": False}, "sync": {"timeout_s": 5, "require_token": False}}
+    return WeightSyncCoordinator(config, "nccl")
+
+
+async def started(coordinator, model_dir, replica_id: str, engine=None) -> SyncAgent:
+    agent = SyncAgent(engine=engine or LoraEngine(), coordinator=InProcess(coordinator), replica_id=replica_id, ranks=1, model_path=str(model_dir))
+    await agent.start()
+    return agent
+
+
+def served(agent: SyncAgent) -> dict[str, int]:
+    return agent.adapters.versions()
+
+
+async def test_an_adapter_is_loaded_by_every_replica_and_each_publish_serves_the_next_version(model_dir):
+    coordinator = coordinator_for(model_dir)
+    a, b = await started(coordinator, model_dir, "a"), await started(coordinator, model_dir, "b")
+    try:
+        outcome = await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 0)), 10)
+        assert outcome.committed and outcome.version == 1, outcome
+        assert served(a) == served(b) == {"math": 1}
+        first = a.adapters.get("math")
+        assert first.lora_request().lora_name == "math@1" and list(a.engine.loaded) == [first.lora_id]
+
+        outcome = await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 1)), 10)
+        assert outcome.version == 2 and served(a) == served(b) == {"math": 2}
+        second = a.adapters.get("math")
+        assert second.lora_id != first.lora_id, "a version never reuses another's vLLM id"
+        assert list(a.engine.loaded) == [second.lora_id], "the version before left the engine"
+        assert (await coordinator.status())["adapters"] == {"math": 2}
+        assert (await coordinator.status())["committed_version"] == 0, "the base weights keep their version"
+
+        # Another adapter beside it, with versions of its own.
+        outcome = await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 2, name="code")), 10)
+        assert outcome.version == 1 and served(a) == {"math": 2, "code": 1}
+
+        with pytest.raises(InvalidRequestError, match="greater than adapter 'math'"):
+            await coordinator.publish_adapter(None, request(model_dir, 3, version=2))
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_a_replica_that_cannot_load_it_aborts_the_round_and_every_replica_keeps_the_version_before(model_dir):
+    coordinator = coordinator_for(model_dir)
+    a, b = await started(coordinator, model_dir, "a"), await started(coordinator, model_dir, "b")
+    try:
+        assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 0)), 10)).committed
+        b.engine.refuse = True
+        outcome = await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 1)), 10)
+        assert not outcome.committed and outcome.failed_replicas == ["b"] and "max_lora_rank" in outcome.error
+        assert outcome.version == 1
+        assert served(a) == served(b) == {"math": 1}
+        assert list(a.engine.loaded) == [a.adapters.get("math").lora_id], "a dropped the version it staged"
+        assert (await coordinator.status())["adapters"] == {"math": 1}
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def test_a_replica_that_starts_later_loads_every_committed_adapter_before_serving(model_dir):
+    coordinator = coordinator_for(model_dir)
+    # No replica yet: the adapter commits into the coordinator alone.
+    assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 0)), 10)).committed
+    assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 1)), 10)).version == 2
+    late = await started(coordinator, model_dir, "late")
+    try:
+        assert served(late) == {"math": 2} and len(late.engine.loaded) == 1
+    finally:
+        late.stop()
+
+
+async def test_with_lora_off_a_publish_is_refused_and_an_unknown_adapter_names_the_field(model_dir):
+    from rollout.config import SyncConfig
+    from rollout.engine.sync_gate import SyncGate
+
+    with pytest.raises(SyncError, match="model.lora.enabled"):
+        await coordinator_for(model_dir, enabled=False).publish_adapter(None, request(model_dir))
+
+    from rollout.api import RolloutRequest
+
+    agent = SyncAgent(engine=None, coordinator=None, replica_id="r", ranks=1, model_path=str(model_dir))
+    gate = SyncGate.over(agent, SyncConfig(), "r")
+    with pytest.raises(InvalidRequestError) as e:
+        gate.check_adapters([(RolloutRequest(prompt_token_ids=[1], adapter="math"), [1])], offset=3)
+    assert e.value.field == "requests[3].adapter" and "not a published LoRA adapter" in e.value.message
+    off = SyncGate.over(None, SyncConfig(), "r")
+    with pytest.raises(InvalidRequestError, match="weight sync is disabled"):
+        off.adapter("math")
+
+
+async def test_a_staged_adapter_whose_bytes_differ_from_the_published_ones_is_not_loaded(model_dir):
+    from dataclasses import replace
+
+    adapters = ServedAdapters(LoraEngine(), "r")
+    try:
+        adapter = replace(adapter_of(request(model_dir), 1), digest="0" * 64)
+        with pytest.raises(RuntimeError, match="sha256"):
+            await adapters.stage(adapter)
+        assert adapters.engine.loaded == {} and adapters.versions() == {}
+    finally:
+        adapters.close()
+
+
+def test_model_lora_feeds_the_engine_arguments_and_refuses_a_cpu_cache_smaller_than_a_batch(model_dir):
+    from pydantic import ValidationError
+
+    from rollout.config import LoraConfig, ModelConfig
+    from rollout.engine.args import engine_kwargs
+
+    off = engine_kwargs(ModelConfig(path=str(model_dir), kv_cache_memory_bytes=64 << 20), "cpu")
+    assert "enable_lora" not in off, "engines start without LoRA unless it is enabled"
+    on = engine_kwargs(ModelConfig(path=str(model_dir), kv_cache_memory_bytes=64 << 20, lora={"enabled": True, "max_loras": 2, "max_lora_rank": 8}), "cpu")
+    assert (on["enable_lora"], on["max_loras"], on["max_lora_rank"], on["max_cpu_loras"]) == (True, 2, 8, None)
+    with pytest.raises(ValidationError, match="max_cpu_loras"):
+        LoraConfig(max_loras=4, max_cpu_loras=2)
