@@ -50,18 +50,9 @@ class LoraConfig(_Section):
         default=False,
         description="Start every engine with vLLM's LoRA support, so trainers can publish adapters (`publish_adapter`) and requests can name them.",
     )
-    max_loras: int = Field(
-        default=4, ge=1, le=256, description="Most adapters one engine batch runs at once (vLLM's `max_loras`), 1..256; more stay loaded and wait their turn."
-    )
-    max_lora_rank: int = Field(
-        default=16, ge=1, le=512, description="Highest adapter rank an engine accepts (vLLM's `max_lora_rank`), 1..512; a publish of a higher rank is refused naming `config.r`."
-    )
-    max_cpu_loras: Optional[int] = Field(
-        default=None,
-        ge=1,
-        le=4096,
-        description="Adapters each engine keeps loaded in host memory (vLLM's `max_cpu_loras`), 1..4096; defaults to `max_loras`. Every live adapter should fit.",
-    )
+    max_loras: int = Field(default=4, ge=1, le=256, description="Most adapters one engine batch runs at once (vLLM's `max_loras`), 1..256; more stay loaded and wait their turn.")
+    max_lora_rank: int = Field(default=16, ge=1, le=512, description="Highest adapter rank an engine accepts (vLLM's `max_lora_rank`), 1..512; a publish of a higher rank is refused naming `config.r`.")
+    max_cpu_loras: Optional[int] = Field(default=None, ge=1, le=4096, description="Adapters each engine keeps loaded in host memory (vLLM's `max_cpu_loras`), 1..4096; defaults to `max_loras`. Every live adapter should fit.")
 
     @model_validator(mode="after")
     def _cpu_holds_the_batch(self) -> "LoraConfig":

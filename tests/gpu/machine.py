@@ -5,7 +5,9 @@ GPUs."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -25,3 +27,24 @@ def needs_gpus(n: int, why: str = "") -> pytest.MarkDecorator:
         gpus() < n,
         reason=f"needs {n} CUDA GPUs{why} (this machine has {gpus()}); run tests/gpu/check.sh on a {n}-GPU machine",
     )
+
+
+@contextmanager
+def gpu_cluster(**ray_init: Any) -> Iterator[None]:
+    """A Ray cluster for one module's checks (``ray_init``: more of ``ray.init``'s
+    arguments), with Serve shut down and Ray stopped after them."""
+    import ray
+    from ray import cloudpickle, serve
+
+    import tests.gpu.engines
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "gpu-check-sync-token")
+    ray.init(namespace="rollout-gpu", log_to_driver=False, **ray_init)
+    # Workers cannot import the tests package: ship the actors' code by value.
+    cloudpickle.register_pickle_by_value(tests.gpu.engines)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from tests.gpu.machine import MODEL, WORK, needs_gpus
+from tests.gpu.machine import MODEL, WORK, gpu_cluster, needs_gpus
 
 pytestmark = needs_gpus(2)
 API_KEY = "gpu-check-key"
@@ -446,19 +446,8 @@ def grown(before: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray import cloudpickle, serve
-
-    import tests.gpu.engines
-
-    WORK.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "gpu-check-sync-token")
-    ray.init(namespace="rollout-gpu", log_to_driver=False)
-    # Workers cannot import the tests package: ship the actors' code by value.
-    cloudpickle.register_pickle_by_value(tests.gpu.engines)
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    with gpu_cluster():
+        yield
 
 
 @pytest.fixture(scope="module")

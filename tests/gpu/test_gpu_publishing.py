@@ -13,14 +13,13 @@ read from there, as Prometheus reads them).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import pytest
 
-from tests.gpu.machine import MODEL, WORK, needs_gpus
-from tests.gpu.test_gpu_platform import Stage, coordinator_status, first_mismatch, greedy, load_weights, on_engine, on_platform, perturbed, platform_cfg, requests  # noqa: F401 - perturbed is a fixture
+from tests.gpu.machine import MODEL, gpu_cluster, needs_gpus
+from tests.gpu.test_gpu_platform import Stage, coordinator_status, first_mismatch, greedy, load_weights, on_engine, on_platform, perturbed, platform_cfg, requests, stage  # noqa: F401 - perturbed and stage are fixtures (stage's cluster is this module's)
 
 pytestmark = needs_gpus(1)
 APP = "gpu-gloo"
@@ -34,26 +33,9 @@ LONG_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray import cloudpickle, serve
-
-    import tests.gpu.engines
-
-    WORK.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "gpu-check-sync-token")
     # Ray's agent exports the replicas' metrics here every second (default 10 s).
-    ray.init(namespace="rollout-gpu", log_to_driver=False, _metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000})
-    cloudpickle.register_pickle_by_value(tests.gpu.engines)
-    yield
-    serve.shutdown()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def stage(cluster):
-    s = Stage()
-    yield s
-    s.reset()
+    with gpu_cluster(_metrics_export_port=METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000}):
+        yield
 
 
 def settled_counters() -> tuple[float, float]:

@@ -24,37 +24,15 @@ from rollout.sync.salt import CacheSalts
 class SyncState(Protocol):
     """What the replica reads from weight sync (the sync agent's surface it uses)."""
 
-    @property
-    def held(self) -> bool:
-        """Generation is paused by a trainer's ``/pause`` until its ``/resume``."""
-
-    @property
-    def broken(self) -> Optional[str]:
-        """Why this replica must not serve (it should be replaced), or None."""
-
-    @property
-    def awaiting_publish(self) -> Optional[str]:
-        """Why this replica refuses requests until the next publish, or None."""
-
-    @property
-    def version(self) -> int:
-        """The policy version its weights hold."""
-
-    @property
-    def committed(self) -> int:
-        """The newest committed version it has heard of."""
-
-    @property
-    def salts(self) -> CacheSalts:
-        """Each request's prefix-cache salt, by the version it starts under."""
-
-    @property
-    def adapters(self) -> Optional[ServedAdapters]:
-        """The LoRA adapters it serves (None: no weight sync, so none can be published)."""
-
-    @property
-    def known_committed(self) -> Optional[int]:
-        """The committed version as far as it can vouch for it (None: it cannot)."""
+    # Read-only state (the agent serves these as properties):
+    held: bool  # generation is paused by a trainer's ``/pause`` until its ``/resume``
+    broken: Optional[str]  # why this replica must not serve (it should be replaced), or None
+    awaiting_publish: Optional[str]  # why it refuses requests until the next publish, or None
+    version: int  # the policy version its weights hold
+    committed: int  # the newest committed version it has heard of
+    salts: CacheSalts  # each request's prefix-cache salt, by the version it starts under
+    adapters: Optional[ServedAdapters]  # the LoRA adapters it serves (None: no weight sync, so none can be published)
+    known_committed: Optional[int]  # the committed version as far as it can vouch for it (None: it cannot)
 
     def coordinator_lost_s(self) -> Optional[float]:
         """Seconds without an answer from the coordinator, once past its bound; else None."""
