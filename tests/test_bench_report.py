@@ -130,6 +130,12 @@ def test_the_hosts_publish_table_comes_from_the_json_and_a_bench_that_could_not_
     assert "**hosts_publish**: did not run (making network namespaces needs root)." in report.render(tmp_path)
 
 
+def rendered(tmp_path, name: str, result: dict) -> str:
+    """The README section rendered from ``result`` as the benchmark ``name``'s JSON."""
+    (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    return report.render(tmp_path)
+
+
 def test_the_prefix_cache_table_shows_both_modes_per_event_and_names_where_they_differ(tmp_path):
     def call(hits, version, queries=257):
         return {"hits": hits, "queries": queries, "computed": queries - hits, "version": version}
@@ -151,8 +157,7 @@ def test_the_prefix_cache_table_shows_both_modes_per_event_and_names_where_they_
         "events_where_the_modes_differ": ["aborted_round"],
         "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11"},
     }
-    (tmp_path / "prefix_cache.json").write_text(json.dumps(result))
-    text = report.render(tmp_path)
+    text = rendered(tmp_path, "prefix_cache", result)
     assert "a prompt of 257 tokens per event (128-token KV blocks: at most 256 can hit)" in text
     assert "The modes differ after: `aborted_round`." in text
     assert "| commit | 256 of 257 / 256 of 257 | **0 of 257**, 257 computed (version 1) | **0 of 257**, 257 computed (version 1) | 256 of 257 / 256 of 257 |" in text
@@ -175,8 +180,24 @@ def test_the_weight_sync_digest_table_shows_each_sides_share_of_a_publish_and_th
         "targets": "publish_vs_engine_round <= 1.1", "target_met": True, "load_average_1min": {"before": 4.2, "after": 5.0},
         "digest_goal": "the digests (sender and replicas) cost < 5% of a publish", "digest_goal_met": False, "points": [point],
     }
-    (tmp_path / "weight_sync.json").write_text(json.dumps(result))
-    text = report.render(tmp_path)
-    assert "load average 4.2 before the run, 5.0 after. Goal: the digests (sender and replicas) cost < 5% of a publish: **not met**." in text
+    text = rendered(tmp_path, "weight_sync", result)
+    assert "32 MiB buckets; medians of 3 rounds; load average 4.2 before, 5.0 after). Target" in text
+    assert "Goal: the digests (sender and replicas) cost < 5% of a publish: **not met**." in text
     assert "| 1 | sender (publisher) | 0.30 s (0.28-0.35) | 1.02x | **1.2%** (0.2-3.2%) | sender 0.011 s |" in text
     assert "| 1 | both (as a publish) | 0.30 s (0.28-0.35) | 1.02x | **6.2%** (5.2-8.2%) | sender 0.011 s, replica 0.020 s |" in text
+    # A run whose interval spans the goal says it did not decide it, rather than met or not met.
+    assert "cost < 5% of a publish: **not resolved by this run (an interval spans it)**." in rendered(tmp_path, "weight_sync", {**result, "digest_goal_met": None})
+    # A run from before the digest rows says they are missing, not that they cost nothing.
+    without = {**result, "points": [{k: v for k, v in point.items() if k != "digests"}]}
+    assert "Received-bytes digests: not in this run's JSON (it predates the digest rows" in rendered(tmp_path, "weight_sync", without)
+
+
+def test_the_digest_goal_is_met_only_when_every_interval_lies_under_it():
+    from rollout.bench.weight_sync import _digest_goal_met
+
+    def point(low, high):
+        return {"digests": {"both": {"share_of_publish_interval_90": [low, high]}}}
+
+    assert _digest_goal_met([point(0.01, 0.04), point(-0.02, 0.049)]) is True
+    assert _digest_goal_met([point(0.01, 0.04), point(0.051, 0.2)]) is False
+    assert _digest_goal_met([point(0.01, 0.04), point(-0.1, 0.3)]) is None

@@ -123,7 +123,7 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
     machine = _machine(r)
     lines = _table(
         f"**weight_sync** ({r['parameters'] / 1e6:.1f}M parameters, {r['bytes'] / 1e6:.0f} MB in {r['tensors']} tensors, "
-        f"{r['bucket_bytes'] >> 20} MiB buckets; {order}{'; ' + machine if machine else ''}). " + _verdict(r, r["targets"]),
+        f"{r['bucket_bytes'] >> 20} MiB buckets; {order}{'; ' + machine if machine else ''}{_load(r)}). " + _verdict(r, r["targets"]),
         [
             ("replicas", lambda p: str(p["replicas"])),
             ("publish (range)", _seconds("publish_s", "publish_rounds")),
@@ -151,16 +151,14 @@ def _digest_costs(r: dict[str, Any]) -> list[str]:
     plain one of the same turn, as a share of that turn's publish."""
     points = [p for p in r["points"] if p.get("digests")]
     if not points:
-        return []
-    load = r.get("load_average_1min")
+        return ["", "Received-bytes digests: not in this run's JSON (it predates the digest rows; `rollout bench --only weight_sync` adds them)."]
+    verdict = {True: "met", False: "not met", None: "not resolved by this run (an interval spans it)"}[r["digest_goal_met"]]
     lines = [
         "",
         f"Received-bytes digests (`rollout/sync/digest.py`): the bare engine round with the digests of one side, of the other "
         f"and of both, taking turns with the rounds above; a side's cost is its round minus the plain bare round of the same "
         f"turn, as a share of that turn's publish (median, 90% interval); *inside* is the seconds spent in the digest calls "
-        f"(medians), which overlap the wire"
-        + (f"; load average {load['before']:.1f} before the run, {load['after']:.1f} after" if load else "")
-        + f". Goal: {r['digest_goal']}: **{'met' if r['digest_goal_met'] else 'not met'}**.",
+        f"(medians), which overlap the wire. Goal: {r['digest_goal']}: **{verdict}**.",
         *_table_head("replicas", "digests by", "bare round (range)", "vs plain bare round", "share of publish (90% interval)", "inside"),
     ]
     for p in points:

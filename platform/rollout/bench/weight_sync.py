@@ -231,6 +231,17 @@ def _digest_costs(measured: dict[str, list[tuple[float, dict[str, float]]]]) -> 
     return out
 
 
+def _digest_goal_met(points: list[dict[str, Any]]) -> Optional[bool]:
+    """Whether both sides' digests stay under :data:`DIGEST_GOAL` of a publish: True when
+    every point's 90% interval lies under it, False when one lies over it, None when an
+    interval spans it (this run does not tell: on a busy machine the rounds spread more
+    than the digests cost)."""
+    intervals = [p["digests"]["both"]["share_of_publish_interval_90"] for p in points]
+    if any(low >= DIGEST_GOAL for low, _ in intervals):
+        return False
+    return True if all(high < DIGEST_GOAL for _, high in intervals) else None
+
+
 def _publish_fn(publisher, tensors):
     def fn() -> tuple[float, dict[str, float]]:
         t0 = time.perf_counter()
@@ -327,6 +338,6 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
         "targets": "publish_vs_engine_round <= 1.1 (the platform's overhead over vLLM's own round)",
         "target_met": all(p["publish_vs_engine_round"] <= 1.1 for p in points),
         "digest_goal": f"the digests (sender and replicas) cost < {DIGEST_GOAL:.0%} of a publish",
-        "digest_goal_met": all(p["digests"]["both"]["share_of_publish"] < DIGEST_GOAL for p in points),
+        "digest_goal_met": _digest_goal_met(points),
         "points": points,
     }
