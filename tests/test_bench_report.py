@@ -128,3 +128,76 @@ def test_the_hosts_publish_table_comes_from_the_json_and_a_bench_that_could_not_
     assert "| reuses the group | 0.250 (0.240-0.270) | 0.300 (0.290-0.320) | 1.20x (1.10-1.30) |" in text
     (tmp_path / "hosts_publish.json").write_text(json.dumps({"benchmark": "hosts_publish", "skipped": "making network namespaces needs root"}))
     assert "**hosts_publish**: did not run (making network namespaces needs root)." in report.render(tmp_path)
+
+
+def rendered(tmp_path, name: str, result: dict) -> str:
+    """The README section rendered from ``result`` as the benchmark ``name``'s JSON."""
+    (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    return report.render(tmp_path)
+
+
+def test_the_prefix_cache_table_shows_both_modes_per_event_and_names_where_they_differ(tmp_path):
+    def call(hits, version, queries=257):
+        return {"hits": hits, "queries": queries, "computed": queries - hits, "version": version}
+
+    def event(before, after, again, version):
+        return {"before": call(before, str(version - 1)), "after": call(after, str(version)), "again": call(again, str(version))}
+
+    result = {
+        "benchmark": "prefix_cache",
+        "prompt_tokens": 257,
+        "block_tokens": 128,
+        "best_possible_hits": 256,
+        "order": "the modes one after the other",
+        "events": ["commit", "aborted_round"],
+        "modes": {
+            "salt": {"commit": event(256, 0, 256, 1), "aborted_round": event(256, 256, 256, 2)},
+            "flush": {"commit": event(256, 0, 256, 1), "aborted_round": event(256, 0, 256, 2)},
+        },
+        "events_where_the_modes_differ": ["aborted_round"],
+        "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11"},
+    }
+    text = rendered(tmp_path, "prefix_cache", result)
+    assert "a prompt of 257 tokens per event (128-token KV blocks: at most 256 can hit)" in text
+    assert "The modes differ after: `aborted_round`." in text
+    assert "| commit | 256 of 257 / 256 of 257 | **0 of 257**, 257 computed (version 1) | **0 of 257**, 257 computed (version 1) | 256 of 257 / 256 of 257 |" in text
+    assert "| aborted_round | 256 of 257 / 256 of 257 | **256 of 257**, 1 computed (version 2) | **0 of 257**, 257 computed (version 2) | 256 of 257 / 256 of 257 |" in text
+
+
+def test_the_weight_sync_digest_table_shows_each_sides_share_of_a_publish_and_the_goal(tmp_path):
+    def side(share, inside):
+        return {"round_s": 0.3, "rounds": [0.28, 0.3, 0.35], "vs_engine_round": 1.02, "share_of_publish": share,
+                "share_of_publish_interval_90": [share - 0.01, share + 0.02], "inside_digest_s": inside}
+
+    point = {
+        "replicas": 1, "publish_s": 0.3, "publish_rounds": [0.3], "engine_round_s": 0.29, "engine_round_rounds": [0.29],
+        "floor_s": 0.1, "per_tensor_s": 1.2, "publish_vs_engine_round": 1.0, "publish_vs_floor": 3.0, "per_tensor_vs_publish": 4.0,
+        "digests": {"sender": side(0.012, {"sender_digest": 0.011}), "replica": side(0.031, {"replica_digest": 0.02}),
+                    "both": side(0.062, {"sender_digest": 0.011, "replica_digest": 0.02})},
+    }
+    result = {
+        "parameters": 28_700_000, "bytes": 115_000_000, "tensors": 99, "bucket_bytes": 32 << 20, "repeats": 3,
+        "targets": "publish_vs_engine_round <= 1.1", "target_met": True, "load_average_1min": {"before": 4.2, "after": 5.0},
+        "digest_goal": "the digests (sender and replicas) cost < 5% of a publish", "digest_goal_met": False, "points": [point],
+    }
+    text = rendered(tmp_path, "weight_sync", result)
+    assert "32 MiB buckets; medians of 3 rounds; load average 4.2 before, 5.0 after). Target" in text
+    assert "Goal: the digests (sender and replicas) cost < 5% of a publish: **not met**." in text
+    assert "| 1 | sender (publisher) | 0.30 s (0.28-0.35) | 1.02x | **1.2%** (0.2-3.2%) | sender 0.011 s |" in text
+    assert "| 1 | both (as a publish) | 0.30 s (0.28-0.35) | 1.02x | **6.2%** (5.2-8.2%) | sender 0.011 s, replica 0.020 s |" in text
+    # A run whose interval spans the goal says it did not decide it, rather than met or not met.
+    assert "cost < 5% of a publish: **not resolved by this run (an interval spans it)**." in rendered(tmp_path, "weight_sync", {**result, "digest_goal_met": None})
+    # A run from before the digest rows says they are missing, not that they cost nothing.
+    without = {**result, "points": [{k: v for k, v in point.items() if k != "digests"}]}
+    assert "Received-bytes digests: not in this run's JSON (it predates the digest rows" in rendered(tmp_path, "weight_sync", without)
+
+
+def test_the_digest_goal_is_met_only_when_every_interval_lies_under_it():
+    from rollout.bench.weight_sync import _digest_goal_met
+
+    def point(low, high):
+        return {"digests": {"both": {"share_of_publish_interval_90": [low, high]}}}
+
+    assert _digest_goal_met([point(0.01, 0.04), point(-0.02, 0.049)]) is True
+    assert _digest_goal_met([point(0.01, 0.04), point(0.051, 0.2)]) is False
+    assert _digest_goal_met([point(0.01, 0.04), point(-0.1, 0.3)]) is None

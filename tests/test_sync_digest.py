@@ -207,3 +207,15 @@ async def test_a_member_missing_a_tensor_fails_and_one_that_reports_no_digests_i
     c3 = coordinator()
     _, outcome3 = await run_round(c3, {"a": dict(SENT)}, sent=None)
     assert outcome3.committed and outcome3.digest == "", "a publisher that sent no digests: nothing to compare"
+
+
+def test_the_host_digest_equals_the_device_one_byte_for_byte():
+    """A GPU publisher digests with torch on its device, a CPU replica with numpy: both
+    must give the same sums (here torch's path runs on the CPU), tails and odd offsets too."""
+    g = torch.Generator().manual_seed(4)
+    for n in (0, 5, 8 * digest.ROW, 8 * digest.ROW + 1, 3 * 8 * digest.ROW + 13, 100_003):
+        data = torch.randint(0, 256, (n + 3,), generator=g, dtype=torch.uint8)
+        for b in (data[:n], data[3:]):  # aligned, and a view at an odd offset
+            assert digest._host_sums(b.numpy()) == digest._device_sums(b), n
+    big = torch.randint(-(2**63), 2**63 - 1, (64 * digest.ROW,), generator=g, dtype=torch.int64)  # sums that wrap
+    assert digest._host_sums(big.view(torch.uint8).numpy()) == digest._device_sums(big.view(torch.uint8))

@@ -19,7 +19,7 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream", "python_tool", "hosts_publish", "coordinator_scale")
+BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream", "python_tool", "hosts_publish", "coordinator_scale", "prefix_cache")
 # Benchmarks that run no model: `--only` these builds none.
 WITHOUT_MODEL = ("python_tool", "coordinator_scale")
 
@@ -58,4 +58,8 @@ def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCH
         from rollout.bench.coordinator_scale import run as run_coordinator_scale
 
         write_result(out_dir, "coordinator_scale", run_coordinator_scale())
+    if "prefix_cache" in only:
+        from rollout.bench.prefix_cache import run as run_prefix_cache
+
+        write_result(out_dir, "prefix_cache", run_prefix_cache(model_dir))
     return 0

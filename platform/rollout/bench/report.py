@@ -123,7 +123,7 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
     machine = _machine(r)
     lines = _table(
         f"**weight_sync** ({r['parameters'] / 1e6:.1f}M parameters, {r['bytes'] / 1e6:.0f} MB in {r['tensors']} tensors, "
-        f"{r['bucket_bytes'] >> 20} MiB buckets; {order}{'; ' + machine if machine else ''}). " + _verdict(r, r["targets"]),
+        f"{r['bucket_bytes'] >> 20} MiB buckets; {order}{'; ' + machine if machine else ''}{_load(r)}). " + _verdict(r, r["targets"]),
         [
             ("replicas", lambda p: str(p["replicas"])),
             ("publish (range)", _seconds("publish_s", "publish_rounds")),
@@ -140,11 +140,69 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
         steps.append(f"{replicas}, publish: {_named(p['publish_phases_s'], '.3f')}")
         if p.get("engine_round_phases_s"):
             steps.append(f"{replicas}, bare engine round: {_named(p['engine_round_phases_s'], '.3f')}")
-    return lines + _notes("Steps of a round (medians, seconds):", steps)
+    return lines + _notes("Steps of a round (medians, seconds):", steps) + _digest_costs(r)
+
+
+DIGEST_SIDES = {"sender": "sender (publisher)", "replica": "replicas", "both": "both (as a publish)"}
+
+
+def _digest_costs(r: dict[str, Any]) -> list[str]:
+    """weight_sync's digest table: the bare round with each side's digests against the
+    plain one of the same turn, as a share of that turn's publish."""
+    points = [p for p in r["points"] if p.get("digests")]
+    if not points:
+        return ["", "Received-bytes digests: not in this run's JSON (it predates the digest rows; `rollout bench --only weight_sync` adds them)."]
+    verdict = {True: "met", False: "not met", None: "not resolved by this run (an interval spans it)"}[r["digest_goal_met"]]
+    lines = [
+        "",
+        f"Received-bytes digests (`rollout/sync/digest.py`): the bare engine round with the digests of one side, of the other "
+        f"and of both, taking turns with the rounds above; a side's cost is its round minus the plain bare round of the same "
+        f"turn, as a share of that turn's publish (median, 90% interval); *inside* is the seconds spent in the digest calls "
+        f"(medians), which overlap the wire. Goal: {r['digest_goal']}: **{verdict}**.",
+        *_table_head("replicas", "digests by", "bare round (range)", "vs plain bare round", "share of publish (90% interval)", "inside"),
+    ]
+    for p in points:
+        for side, label in DIGEST_SIDES.items():
+            d = p["digests"][side]
+            low, high = d["share_of_publish_interval_90"]
+            inside = ", ".join(f"{k.split('_')[0]} {v:.3f} s" for k, v in d["inside_digest_s"].items())
+            lines.append(
+                f"| {p['replicas']} | {label} | {d['round_s']:.2f} s ({_seconds_range(d['rounds'])}) | {_x(d['vs_engine_round'])} | "
+                f"**{100 * d['share_of_publish']:.1f}%** ({100 * low:.1f}-{100 * high:.1f}%) | {inside} |"
+            )
+    return lines
 
 
 def _seconds_range(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def _hits(m: dict[str, Any]) -> str:
+    return f"{m['hits']} of {m['queries']}"
+
+
+def _after(m: dict[str, Any]) -> str:
+    return f"**{_hits(m)}**, {m['computed']} computed (version {m['version']})"
+
+
+def prefix_cache(r: dict[str, Any]) -> list[str]:
+    differ = r["events_where_the_modes_differ"]
+    lines = [
+        f"**prefix_cache** (`sync.prefix_cache` `salt` vs `flush`; one replica of the demo model, a prompt of {r['prompt_tokens']} "
+        f"tokens per event ({r['block_tokens']}-token KV blocks: at most {r['best_possible_hits']} can hit), cached before the event; "
+        f"prompt tokens found in the prefix cache by vLLM's counters; {r['order']}; {_machine(r)}). The modes differ after: "
+        + (", ".join(f"`{e}`" for e in differ) if differ else "no event")
+        + ".",
+        *_table_head("event", "hits before: salt / flush", "first call after: salt", "first call after: flush", "hits on the second call after: salt / flush"),
+    ]
+    salt, flush = r["modes"]["salt"], r["modes"]["flush"]
+    for event in r["events"]:
+        s, f = salt[event], flush[event]
+        lines.append(
+            f"| {event} | {_hits(s['before'])} / {_hits(f['before'])} | {_after(s['after'])} | {_after(f['after'])} | "
+            f"{_hits(s['again'])} / {_hits(f['again'])} |"
+        )
+    return lines
 
 
 def scaling(r: dict[str, Any]) -> list[str]:
@@ -308,6 +366,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "python_tool": python_tool,
     "hosts_publish": hosts_publish,
     "coordinator_scale": coordinator_scale,
+    "prefix_cache": prefix_cache,
     "soak": soak,
 }
 

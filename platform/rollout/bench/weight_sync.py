@@ -19,6 +19,13 @@ cost matters on CPU):
   nothing can beat it.
 * ``per_tensor``: what OpenRLHF-style loops do, into the bare engines: for every tensor,
   one RPC to each engine (``update_weights`` naming that tensor), then one broadcast of it.
+* ``digests``: what the received-bytes digests (:mod:`rollout.sync.digest`) cost. A publish
+  always digests, so the cost is measured on the bare round, which runs the same code the
+  publish runs on each side (the sender's :class:`SentDigests` in ``send_buckets``, the
+  engine's ``digest_path`` in the update info): without digests, with the sender's only,
+  the replicas' only, and both, taking turns with the publish and the plain bare round.
+  Each side's cost is its round minus the plain round next to it, as a share of the
+  publish of the same turn.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,12 +45,15 @@ from rollout.local import cpu_config, local_platform
 from rollout.modelbuild import build_model, is_built
 from rollout.stats_summary import median_interval, paired_ratios
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
-from rollout.sync.backends.gloo_stream import send_buckets
+from rollout.sync import digest
+from rollout.sync.backends.gloo_stream import SentDigests, send_buckets
 from rollout.sync.net import free_port, own_address
 from rollout.sync.protocol import ParamSpec
 
 REPEATS = 3  # floor rounds
 ROUNDS = 15  # rounds of each compared path
+DIGEST_SIDES = ("sender", "replica", "both")  # who digests, in the bare rounds that measure it
+DIGEST_GOAL = 0.05  # the digests' share of a publish (both sides), at most
 
 
 @ray.remote(num_cpus=0)
@@ -82,11 +93,21 @@ class DirectEngine:
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
         await self.engine.start_weight_update()
 
-    async def receive(self, specs: list[ParamSpec]) -> None:
+    async def receive(self, specs: list[ParamSpec], digest_path: Optional[str] = None) -> Optional[float]:
+        """Receive ``specs``; with ``digest_path``, the engine digests what it receives as a
+        replica's does, and the seconds it spent digesting are returned."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         info = dict(names=[s.name for s in specs], dtype_names=[s.dtype for s in specs], shapes=[list(s.shape) for s in specs])
+        if digest_path is not None:
+            info["digest_path"] = digest_path
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+        if digest_path is None:
+            return None
+        got = digest.read_received(digest_path)
+        if got is None or len(got.digests) != len(specs):
+            raise RuntimeError(f"the engine digested {0 if got is None else len(got.digests)} of {len(specs)} tensors")
+        return got.seconds
 
     async def end(self) -> None:
         await self.engine.finish_weight_update()
@@ -121,25 +142,39 @@ class DirectRounds:
         self.bucket_bytes = bucket_bytes
         self.address, self.port, self.world = own_address(), free_port(), len(self.engines) + 1
         self.slot = GroupSlot()
+        self.rounds = 0  # names each round's digest files
 
-    def round(self, chunks: Optional[list[list[int]]] = None) -> tuple[float, dict[str, float]]:
+    def round(self, chunks: Optional[list[list[int]]] = None, digests: str = "none") -> tuple[float, dict[str, float]]:
         """Seconds of one round, and of its steps (begin: pause, join, start; transfer:
-        ``update_weights`` while the buckets go out; end: finish and resume)."""
+        ``update_weights`` while the buckets go out; end: finish and resume). ``digests``
+        (one of :data:`DIGEST_SIDES` or ``"none"``): who digests the bytes, as in a publish;
+        the seconds spent inside the digests are added to the steps."""
+        if digests not in ("none", *DIGEST_SIDES):
+            raise ValueError(f"digests: {digests!r} is not one of none, {', '.join(DIGEST_SIDES)}")
         engines, specs, values = self.engines, self.specs, self.values
         chunks = chunks or [list(range(len(specs)))]
+        sent = SentDigests() if digests in ("sender", "both") else None
+        self.rounds += 1
+        paths = [digest.received_path(f"bench-engine-{i}", f"round-{self.rounds}") if digests in ("replica", "both") else None for i in range(len(engines))]
         t0 = time.perf_counter()
         begun = [e.begin.remote(self.address, self.port, i + 1, self.world, self.bucket_bytes) for i, e in enumerate(engines)]
         group = self.slot.join(Rendezvous(f"direct-{self.port}", self.address, self.port, self.world, 120.0), 0)
         ray.get(begun)
         t_begun = time.perf_counter()
+        received: list[Optional[float]] = []
         for chunk in chunks:  # one RPC per engine per chunk, then the chunk's broadcast
-            pending = [e.receive.remote([specs[i] for i in chunk]) for e in engines]
-            send_buckets(group, [specs[i] for i in chunk], [values[i] for i in chunk], self.bucket_bytes)
-            ray.get(pending)
+            pending = [e.receive.remote([specs[i] for i in chunk], path) for e, path in zip(engines, paths)]
+            send_buckets(group, [specs[i] for i in chunk], [values[i] for i in chunk], self.bucket_bytes, digests=sent)
+            received = ray.get(pending)
         t_sent = time.perf_counter()
         ray.get([e.end.remote() for e in engines])
         t_end = time.perf_counter()
-        return t_end - t0, {"begin": t_begun - t0, "transfer": t_sent - t_begun, "end": t_end - t_sent}
+        steps = {"begin": t_begun - t0, "transfer": t_sent - t_begun, "end": t_end - t_sent}
+        if sent is not None:
+            steps["sender_digest"] = sent.seconds
+        if received and received[0] is not None:
+            steps["replica_digest"] = max(received)  # the slowest replica's, as a round waits for it
+        return t_end - t0, steps
 
     def per_tensor(self) -> float:
         return self.round([[i] for i in range(len(self.specs))])[0]
@@ -173,6 +208,40 @@ def _median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rounds if k in r) for k in rounds[0]}
 
 
+def _digest_costs(measured: dict[str, list[tuple[float, dict[str, float]]]]) -> dict[str, Any]:
+    """Per side (sender, replica, both): the bare round with those digests, its cost over
+    the plain bare round of the same turn as a share of that turn's publish (median, 90%
+    interval), and the seconds spent inside the digests (medians)."""
+    publish = [t for t, _ in measured["publish"]]
+    plain = [t for t, _ in measured["engine_round"]]
+    out: dict[str, Any] = {}
+    for side in DIGEST_SIDES:
+        rounds = measured[f"engine_round_{side}_digests"]
+        with_s = [t for t, _ in rounds]
+        shares = [(w - p) / pub for w, p, pub in zip(with_s, plain, publish)]
+        inside = {k: statistics.median(steps[k] for _, steps in rounds) for k in ("sender_digest", "replica_digest") if k in rounds[0][1]}
+        out[side] = {
+            "round_s": statistics.median(with_s),
+            "rounds": with_s,
+            "vs_engine_round": round(statistics.median(paired_ratios(with_s, plain)), 3),
+            "share_of_publish": round(statistics.median(shares), 4),
+            "share_of_publish_interval_90": [round(v, 4) for v in median_interval(shares)],
+            "inside_digest_s": inside,
+        }
+    return out
+
+
+def _digest_goal_met(points: list[dict[str, Any]]) -> Optional[bool]:
+    """Whether both sides' digests stay under :data:`DIGEST_GOAL` of a publish: True when
+    every point's 90% interval lies under it, False when one lies over it, None when an
+    interval spans it (this run does not tell: on a busy machine the rounds spread more
+    than the digests cost)."""
+    intervals = [p["digests"]["both"]["share_of_publish_interval_90"] for p in points]
+    if any(low >= DIGEST_GOAL for low, _ in intervals):
+        return False
+    return True if all(high < DIGEST_GOAL for _, high in intervals) else None
+
+
 def _publish_fn(publisher, tensors):
     def fn() -> tuple[float, dict[str, float]]:
         t0 = time.perf_counter()
@@ -203,6 +272,7 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
     os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "bench")
     cfg = cpu_config(model_dir, http={"port": 8766}, deployment={"num_cpus": 0.5})
     points = []
+    load_before = os.getloadavg()[0]
     ray.init(num_cpus=8, namespace="rollout-bench", log_to_driver=False)
     try:
         # The bare engines are up beside the platform, idle while it publishes (and the
@@ -215,7 +285,9 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
                 if replicas > 1:
                     deploy(cfg.model_copy(update={"deployment": cfg.deployment.model_copy(update={"replicas": replicas})}))
                 direct = DirectRounds(engines[:replicas], tensors, cfg.sync.bucket_bytes)
-                measured = _interleaved({"publish": _publish_fn(publisher, tensors), "engine_round": direct.round}, rounds)
+                paths = {"publish": _publish_fn(publisher, tensors), "engine_round": direct.round}
+                paths.update({f"engine_round_{side}_digests": partial(direct.round, digests=side) for side in DIGEST_SIDES})
+                measured = _interleaved(paths, rounds)
                 per_tensor = [direct.per_tensor() for _ in range(2)]  # slow; two suffice
                 direct.close()
                 publish_s = [t for t, _ in measured["publish"]]
@@ -235,6 +307,7 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
                         "publish_vs_engine_round_interval_90": [round(v, 3) for v in median_interval(ratios)],
                         "per_tensor_s": statistics.median(per_tensor),
                         "per_tensor_rounds": per_tensor,
+                        "digests": _digest_costs(measured),
                     }
                 )
         for e in engines:
@@ -258,10 +331,13 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
         "bytes": nbytes,
         "bucket_bytes": cfg.sync.bucket_bytes,
         "repeats": rounds,
-        "order": "interleaved: a publish and a bare engine round in turn, the order rotated every round",
+        "order": "interleaved: a publish and the bare engine rounds (without digests, then with the sender's, the replicas' and both) in turn, the order rotated every round",
         "ratios": "paired: the median of each round's publish / the bare engine round next to it; the interval is a bootstrap 90% interval of that median",
         "machine": machine(),
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "targets": "publish_vs_engine_round <= 1.1 (the platform's overhead over vLLM's own round)",
         "target_met": all(p["publish_vs_engine_round"] <= 1.1 for p in points),
+        "digest_goal": f"the digests (sender and replicas) cost < {DIGEST_GOAL:.0%} of a publish",
+        "digest_goal_met": _digest_goal_met(points),
         "points": points,
     }

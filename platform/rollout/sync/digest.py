@@ -24,8 +24,9 @@ of a single element change a sum (an even weight would miss a flipped top bit), 
 two weightings catch a swap of two elements in one row or one column (unless equal) and
 most others. It is a check against corruption (a
 flipped bit, a truncated, shifted or misplaced buffer, a wrong tensor), not against a
-forger. The cost decided it: it is two vectorized reductions (torch, on the tensor's own
-device: a GPU digests without copying to the host), where a hash is a serial pass; on the
+forger. The cost decided it: it is two vectorized reductions (numpy in one thread on the
+host; torch on a GPU tensor's own device, without copying it to the host), where a hash is
+a serial pass; on the
 2-core CI machine it ran at about twice zlib's CRC-32 and several times SHA-256's or
 BLAKE2b's throughput, and a round's bytes are digested once by the sender and once by
 every replica against a wire that moves them at memory speed. The sums wrap the same way
@@ -76,12 +77,33 @@ def _odd(n: int, device: str):
     return 2 * torch.arange(n, dtype=torch.int64, device=device) + 1
 
 
+@functools.lru_cache(maxsize=64)
+def _odd_host(n: int):
+    """:func:`_odd` as a numpy array, for :func:`_host_sums`."""
+    import numpy as np
+
+    return 2 * np.arange(n, dtype=np.int64) + 1
+
+
 def tensor_digest(tensor) -> str:
     """``"<row sum><column sum><tail sum>:<byte length>"`` (each sum 16 hex digits) of
-    ``tensor``'s bytes in row-major order, computed on the tensor's device (see above)."""
+    ``tensor``'s bytes in row-major order, computed where the tensor is (see above)."""
     import torch
 
     b = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    # A host tensor's sums are numpy's: the same sums (int64 wraps alike), in one thread.
+    # torch splits a reduction over its intra-op threads, and on a busy host (a replica's
+    # engine beside the trainer's sender and gloo's threads) each reduction then waits for
+    # a thread that has no core: on the 2-core CI machine that cost a replica more than
+    # the 5% of a publish the digest may take (`make bench`, weight_sync's digest table).
+    sums = _host_sums(b.numpy()) if b.device.type == "cpu" else _device_sums(b)
+    return "".join(f"{v & _MASK:016x}" for v in sums) + f":{b.numel()}"
+
+
+def _device_sums(b) -> list[int]:
+    """The three sums of the bytes ``b`` (uint8, 1-D), by torch on ``b``'s device."""
+    import torch
+
     n = b.numel()
     rows = n // (8 * ROW)
     body = b[: rows * 8 * ROW]
@@ -98,7 +120,28 @@ def tensor_digest(tensor) -> str:
     tail = b[rows * 8 * ROW :]
     if tail.numel():
         sums[2] = int((tail.to(torch.int64) * _odd(tail.numel(), device)).sum())
-    return "".join(f"{v & _MASK:016x}" for v in sums) + f":{n}"
+    return sums
+
+
+def _host_sums(b) -> list[int]:
+    """:func:`_device_sums` of host bytes ``b`` (a 1-D uint8 numpy array), by numpy: the
+    same reductions in one thread, the GIL released."""
+    import numpy as np
+
+    n = b.size
+    rows = n // (8 * ROW)
+    sums = [0, 0, 0]
+    if rows:
+        words = b[: rows * 8 * ROW].view(np.int64)
+        if not words.flags.aligned:  # a view after an odd-sized tensor: align a copy
+            words = words.copy()
+        grid = words.reshape(rows, ROW)
+        sums[0] = int(np.dot(grid.sum(1), _odd_host(rows)))
+        sums[1] = int(np.dot(grid.sum(0), _odd_host(ROW)))
+    tail = b[rows * 8 * ROW :]
+    if tail.size:
+        sums[2] = int(np.dot(tail.astype(np.int64), _odd_host(tail.size)))
+    return sums
 
 
 def digest_all(named: Iterable[tuple[str, object]], into: Optional[TensorDigests] = None) -> TensorDigests:
