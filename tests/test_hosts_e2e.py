@@ -38,6 +38,13 @@ CANDIDATES = [[k, k + 1, k + 2, k + 3] for k in range(11, 51)]
 PER_HOST = 3
 PREFIX_TOKENS = 32  # deployment.routing.prefix_tokens's default
 PERTURBED = 1  # the seed of the "trained" weights the reference engine loads
+# Serve's router asks the replica it ranked first for its queue length and, when no answer
+# comes within 0.1 s (Serve's default), sends the request to the next one: the other host's.
+# On the 2-core CI machine, busy with the other lane, a replica's answer can take longer,
+# and one prompt of six once went to the other host's replica. The scenarios here check
+# where affinity sends each prompt, not how Serve treats a slow replica: the deadline is
+# one a loaded machine meets (Ray's settings, read by every Serve process of the cluster).
+PROBE_DEADLINES = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2", "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5"}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +61,7 @@ def platform(hosts, model_dir):
     key_file = hosts.api_key_file(API_KEY)
     # One request per handle call, so the router places each by its own prefix.
     config = hosts.platform_config(model_dir, key_file, replicas=2, sync={"timeout_s": SYNC_TIMEOUT_S}, deployment={"client_batch_size": 1})
-    env = hosts.cluster_env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN)
+    env = hosts.cluster_env(ROLLOUT_SYNC_TOKEN=SYNC_TOKEN, **PROBE_DEADLINES)
     head, serve = hosts.start_platform(config, env)
     # The trainer loads torch and the checkpoint, and the reference engine starts, while
     # the platform does.
