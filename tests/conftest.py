@@ -86,12 +86,23 @@ def model_dir() -> Path:
     return MODEL_DIR
 
 
+# Serve's queue-length probe: its first deadline and its longest (Ray's settings).
+PROBE_DEADLINES = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2", "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5"}
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 
     # Serve replicas inherit the environment of the cluster started here.
     os.environ["ROLLOUT_SYNC_TOKEN"] = SYNC_TOKEN
+    # Serve's router asks the replica it ranked first for its queue length and, with no
+    # answer within 0.1 s (Serve's default), sends the call to the next one. Beside the
+    # other lane on 2 cores a replica's answer can take longer, and tests that place
+    # calls by session or prefix then saw all of them on one replica. They test where the
+    # router sends calls, not how Serve treats a slow replica: a deadline a loaded machine meets.
+    for name, seconds in PROBE_DEADLINES.items():
+        os.environ.setdefault(name, seconds)
     ray.init(
         num_cpus=8,
         namespace="rollout-tests",

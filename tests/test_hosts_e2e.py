@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollout.routing.affinity import _score, affinity_key
+from tests.conftest import PROBE_DEADLINES
 from tests.hosts import HEAD_ADDRESS, SIDE_TRAINER_ADDRESS, TRAINER_ADDRESS, WORKER_ADDRESS, greedy_rollouts, last_json, made
 
 API_KEY = "hosts-key-0123456789"
@@ -38,13 +39,8 @@ CANDIDATES = [[k, k + 1, k + 2, k + 3] for k in range(11, 51)]
 PER_HOST = 3
 PREFIX_TOKENS = 32  # deployment.routing.prefix_tokens's default
 PERTURBED = 1  # the seed of the "trained" weights the reference engine loads
-# Serve's router asks the replica it ranked first for its queue length and, when no answer
-# comes within 0.1 s (Serve's default), sends the request to the next one: the other host's.
-# On the 2-core CI machine, busy with the other lane, a replica's answer can take longer,
-# and one prompt of six once went to the other host's replica. The scenarios here check
-# where affinity sends each prompt, not how Serve treats a slow replica: the deadline is
-# one a loaded machine meets (Ray's settings, read by every Serve process of the cluster).
-PROBE_DEADLINES = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2", "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "5"}
+# Serve's queue-length probe, with deadlines a loaded machine meets (tests/conftest.py says
+# why): under the other lane's load one prompt of six once went to the other host's replica.
 
 
 @pytest.fixture(scope="module")
