@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -26,11 +27,12 @@ import torch
 from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import make_sender
-from rollout.sync.backends.base import CopySender, Sender
+from rollout.sync.backends.base import CopySender, SendChoice, Sender
 from rollout.sync.protocol import (
     COORDINATOR_NAME,
     SYNC_TOKEN_ENV,
     CoordinatorUnreachableError,
+    DeltaBaseError,
     ParamSpec,
     PublisherUnreachableError,
     PushRound,
@@ -128,6 +130,9 @@ class WeightPublisher:
         self.last_sync_s: Optional[float] = None
         self.last_phases: dict[str, float] = {}
         self.last_outcome: Optional[RoundOutcome] = None
+        # How the last publish was sent: "delta" or "full", its bytes and the rule's reasoning
+        # (rollout.sync.backends.base.SendChoice); None where the backend always sends in full.
+        self.last_choice: Optional[SendChoice] = None
         # Whether the last round went over the transfer group kept from the round before
         # (the coordinator named it: no rendezvous, no engine init on the replicas).
         self.last_group_kept: Optional[bool] = None
@@ -219,6 +224,10 @@ class WeightPublisher:
                 f"this publisher would advertise {advertised.address!r} ({advertised.source}), which is not an address of this host; "
                 f"set {net.ADDRESS_ENV} to one of this host's addresses that the replicas reach"
             )
+        # A delta sender prices a delta against what it last committed (rollout.sync.delta).
+        # The HTTP route carries no transfer info: over it every send is full.
+        over_http = isinstance(self._coordinator, HttpCoordinator)
+        self._sender.prepare(list(tensors.items()), "deltas need WeightPublisher.connect (the HTTP route carries no transfer info)" if over_http else None)
         request = RoundRequest(
             params=tuple(specs),
             master_address=advertised.address,
@@ -231,7 +240,15 @@ class WeightPublisher:
             copy_group=copy.group_name if copy is not None else "",
             copy_port=copy.port if copy is not None else 0,
         )
-        plan = self._coordinator.begin_round(self._token, request)
+        try:
+            plan = self._coordinator.begin_round(self._token, request)
+        except DeltaBaseError as e:
+            # The committed version is not this publisher's base (another publisher, a
+            # storage publish): nothing opened; send in full instead.
+            logger.warning("the coordinator refused the delta (%s): sending in full", e)
+            self._sender.prepare(list(tensors.items()), f"the coordinator refused the delta ({e})")
+            plan = self._coordinator.begin_round(self._token, replace(request, transfer_info=self._sender.offer(list(tensors.values()))))
+        self.last_choice = self._sender.choice
         t_open = time.perf_counter()
         self.last_group_kept = bool(plan.transfer.group_name)
         sender = self._sender
@@ -265,6 +282,7 @@ class WeightPublisher:
         self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
         self.last_phases.update({f"send.{k}": v for k, v in sender.phases.items()})
         self.last_outcome = outcome
+        sender.decided(outcome.version if outcome.committed else None)
         if copier is not None and plan.copy is not None and self._sender is copier:
             if outcome.committed:
                 self._start_copy(copier, plan)

@@ -28,6 +28,7 @@ from rollout.sync.membership import Membership
 from rollout.sync.protocol import (
     RESTORE_ROUNDS,
     CopyGroup,
+    DeltaBaseError,
     Member,
     PullRound,
     PushRound,
@@ -277,6 +278,7 @@ class Rounds:
         self.store.check_checkpoint(request.checkpoint)
         self._check_version(request.version)
         async with self.opening():
+            self._check_delta_base(offered)  # under the lock: no commit moves the base meanwhile
             plan = self._plan_push(request, offered)
             self.store.offered(plan.round_id, request.checkpoint)
             self.open(plan)
@@ -286,6 +288,12 @@ class Rounds:
             f"reusing group {plan.transfer.group_name}" if plan.transfer.group_name else "new group",
         )
         return plan
+
+    def _check_delta_base(self, offered: Any) -> None:
+        """A delta (rollout.sync.delta) applies only onto the committed version."""
+        base = offered.delta_base() if offered is not None else None
+        if base is not None and base != self.store.version:
+            raise DeltaBaseError(f"the delta applies onto version {base}, the committed version is {self.store.version}: publish in full")
 
     def _check_version(self, version: Optional[int]) -> None:
         if version is not None and version <= self.store.version:
