@@ -25,17 +25,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def changed(base: dict[str, torch.Tensor], fraction: float, seed: int = 0) -> dict[str, torch.Tensor]:
-    """``base`` with ``fraction`` of every tensor's elements (at least one) moved."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in base.items():
-        new = t.clone()
-        flat = new.reshape(-1)
-        k = max(1, int(flat.numel() * fraction))
-        idx = torch.randperm(flat.numel(), generator=g)[:k]
-        flat[idx] += (torch.rand(k, generator=g) + 0.5).to(flat.dtype)
-        out[name] = new
-    return out
+    from rollout.bench.weight_sync import changed_weights
+
+    return changed_weights(base, fraction, torch.Generator().manual_seed(seed))
 
 
 def demo_weights(model_dir: Path) -> dict[str, torch.Tensor]:

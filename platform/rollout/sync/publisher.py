@@ -183,7 +183,7 @@ class WeightPublisher:
         """
         return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token), ports=ports)
 
-    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None) -> int:
+    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None, *, delta: bool = True) -> int:
         """Send weights to every live replica; return the committed version once every
         replica serves it. A replica that does not confirm within the step deadline
         (``sync.timeout_s``) does not hold the trainer longer: the version stays committed,
@@ -193,6 +193,14 @@ class WeightPublisher:
         safetensors, e.g. ``save_pretrained``) on storage every replica can read. Once
         committed, replicas that start later or roll back reload it themselves; with
         the GPU backends, which keep no copy, it is the only way they can catch up.
+
+        With a delta backend (``gloo_delta``, ``sparse_nccl``) the publisher sends only
+        the elements changed since the version it last committed where that moves fewer
+        bytes (rollout.sync.delta); ``delta=False`` sends in full. ``last_choice`` says how
+        it went: ``mode`` "delta" or "full", ``bytes_sent``, ``full_bytes`` and the rule's
+        reasoning. A delta whose base is no longer the committed version (another
+        publisher committed since) is refused before any round opens, and the publish
+        goes in full (logged).
 
         Raises ``InvalidRequestError`` (unknown names, wrong shapes or dtypes, version
         not increasing) or ``AuthenticationError`` before any replica changes, and
@@ -227,7 +235,12 @@ class WeightPublisher:
         # A delta sender prices a delta against what it last committed (rollout.sync.delta).
         # The HTTP route carries no transfer info: over it every send is full.
         over_http = isinstance(self._coordinator, HttpCoordinator)
-        self._sender.prepare(list(tensors.items()), "deltas need WeightPublisher.connect (the HTTP route carries no transfer info)" if over_http else None)
+        full_because = None
+        if over_http:
+            full_because = "deltas need WeightPublisher.connect (the HTTP route carries no transfer info)"
+        elif not delta:
+            full_because = "publish(delta=False)"
+        self._sender.prepare(list(tensors.items()), full_because)
         request = RoundRequest(
             params=tuple(specs),
             master_address=advertised.address,

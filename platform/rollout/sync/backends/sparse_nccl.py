@@ -21,7 +21,6 @@ values that are NaN) use ``nccl``.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -30,7 +29,7 @@ import torch
 from rollout.sync import delta
 from rollout.sync.backends.base import SendChoice, TransferInfo, TransferRound
 from rollout.sync.backends.cuda_device import sending_device
-from rollout.sync.backends.nccl import NcclBackend, NcclSender, _release
+from rollout.sync.backends.nccl import NcclBackend, NcclSender
 from rollout.sync.protocol import Member, PushRound
 
 if TYPE_CHECKING:
@@ -124,27 +123,16 @@ class SparseNcclSender(NcclSender):
     def send(self, plan: TransferRound, tensors: Sequence[torch.Tensor]) -> None:
         if not isinstance(plan, PushRound) or not isinstance(plan.transfer_info, SparseNcclDelta):
             raise RuntimeError(f"{plan.round_id}: sparse_nccl sends only the patches it offered")
-        self.phases = {}
-        device = sending_device(tensors, "sparse_nccl")
-        t0 = time.perf_counter()
-        replaced = None
-        try:
-            with torch.cuda.device(device):
-                group, replaced = self._communicator(plan, device)
-                t1 = time.perf_counter()
-                stream = torch.cuda.current_stream()
-                # vLLM's SparseNCCLTrainerWeightTransferEngine._broadcast_chunk: per tensor,
-                # its indices then its values; the engine receives in the same order.
-                for p in self._patches:
-                    group.broadcast(p.indices.to(device), src=0, stream=stream)
-                    group.broadcast(p.values.to(device), src=0, stream=stream)
-                torch.cuda.synchronize(device)
-        except BaseException:
-            self._group = self._formed = None  # as NcclSender: peers may be gone
-            raise
-        finally:
-            _release(replaced)
-        self.phases = {"rendezvous": t1 - t0, "broadcast": time.perf_counter() - t1}
+
+        def broadcast(group: Any, device: torch.device) -> None:
+            stream = torch.cuda.current_stream()
+            # vLLM's SparseNCCLTrainerWeightTransferEngine._broadcast_chunk: per tensor, its
+            # indices then its values; the engine receives in the same order.
+            for p in self._patches:
+                group.broadcast(p.indices.to(device), src=0, stream=stream)
+                group.broadcast(p.values.to(device), src=0, stream=stream)
+
+        self._over_communicator(plan, sending_device(tensors, "sparse_nccl"), broadcast)
 
     def decided(self, version: Optional[int]) -> None:
         sent, self._sent = self._sent, None
