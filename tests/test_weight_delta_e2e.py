@@ -90,6 +90,9 @@ async def test_a_sparse_change_goes_as_a_delta_and_serves_like_a_fresh_engine_an
         # Another publisher commits meanwhile: this one's base (v2) is not the committed
         # version any more. Its delta is refused before any round opens and it sends in
         # full (logged); every replica ends on what it sent.
+        # (This one's copy for the coordinator is sent first: the other's rendezvous port,
+        # picked free, must not be taken meanwhile by the copy group's gloo listeners.)
+        await asyncio.to_thread(publisher.flush)
         other = WeightPublisher.connect(app_name=delta_platform(2).app_name, token=SYNC_TOKEN)
         try:
             theirs = await asyncio.to_thread(other.publish, v1)

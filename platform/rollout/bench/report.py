@@ -152,7 +152,7 @@ def weight_delta(r: dict[str, Any]) -> list[str]:
     lines = _table(
         f"**weight_delta** (`{r['backend']}`, {r['replicas']} replica{'s' if r['replicas'] > 1 else ''}; {r['parameters'] / 1e6:.1f}M parameters, "
         f"{r['bytes'] / 1e6:.0f} MB in {r['tensors']} tensors; {r['repeats']} rounds a path, {r['order']}{'; ' + machine if machine else ''}). "
-        f"Ratios: {r['ratios']}.",
+        f"Ratios: {r['ratios']}." + (f" Bytes: {r['bytes_sent']}." if r.get("bytes_sent") else ""),
         [
             ("publish", lambda p: _DELTA_PATHS[p["path"]]),
             ("sent as", lambda p: "/".join(p["modes"])),
