@@ -148,6 +148,8 @@ _DELTA_PATHS = {"full": "1% changed, sent in full", "delta_1pct": "1% changed, a
 
 def weight_delta(r: dict[str, Any]) -> list[str]:
     machine = _machine(r)
+    if r.get("load_average_1min"):
+        machine += f"; load average {r['load_average_1min']['start']:g} at the start, {r['load_average_1min']['end']:g} at the end"
     points = [{"path": name, **r["paths"][name]} for name in _DELTA_PATHS if name in r["paths"]]
     lines = _table(
         f"**weight_delta** (`{r['backend']}`, {r['replicas']} replica{'s' if r['replicas'] > 1 else ''}; {r['parameters'] / 1e6:.1f}M parameters, "

@@ -329,6 +329,9 @@ def run_deltas(out_root: Path, rounds: int = ROUNDS, replicas: int = 1) -> dict[
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "bench")
     cfg = cpu_config(model_dir, http={"port": 8767}, deployment={"num_cpus": 0.5, "replicas": replicas}, sync={"backend": "gloo_delta"})
+    # The machine's load over the run (other work on it slows every path alike: the rounds
+    # are paired), recorded with the result.
+    load = [os.getloadavg()[0]]
     with local_platform(cfg):
         publisher = WeightPublisher.connect(app_name=cfg.app_name)
         try:
@@ -336,6 +339,7 @@ def run_deltas(out_root: Path, rounds: int = ROUNDS, replicas: int = 1) -> dict[
             measured = _interleaved(_delta_paths(publisher, tensors), rounds)
         finally:
             publisher.close()
+    load.append(os.getloadavg()[0])
     paths = {}
     for name, results in measured.items():
         seconds = [s for s, _ in results]
@@ -367,5 +371,6 @@ def run_deltas(out_root: Path, rounds: int = ROUNDS, replicas: int = 1) -> dict[
         "bytes_sent": "what the publisher broadcasts to the replicas; after every commit the coordinator's copy gets the full weights too, off the publish's path (copy_after_publish)",
         "ratios": "paired: the median of each round's delta publish / the full publish of the same round; the interval is a bootstrap 90% interval of that median",
         "machine": machine(),
+        "load_average_1min": {"start": round(load[0], 2), "end": round(load[1], 2)},
         "paths": paths,
     }
