@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from rollout.errors import StaleWeightsError, unwrap_remote
 from rollout.sync import digest, net
 from rollout.sync.backends import get_backend
+from rollout.sync.backends.base import delta_base_of
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
 from rollout.sync.coordinator_client import CoordinatorHandle
@@ -542,7 +543,7 @@ class SyncAgent:
 
         backend = get_backend(plan.backend)
         offered = plan.transfer_info if isinstance(plan, PushRound) else None
-        base = offered.delta_base() if offered is not None else None
+        base = delta_base_of(offered)
         if base is not None and base != self.version:
             # Before anything joins or loads: a delta never lands on another version.
             raise DeltaBaseError(f"{plan.round_id} is a delta onto version {base}; replica {self.replica_id} serves version {self.version}")

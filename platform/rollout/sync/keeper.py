@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from rollout.sync import delta
+from rollout.sync.backends.base import delta_base_of
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, copy_rendezvous, rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
 from rollout.sync.protocol import DeltaBaseError, ParamSpec, PullRound, PushRound, SessionRound
@@ -50,7 +51,7 @@ class WeightKeeper:
         """Blocking: join ``plan``'s group as ``rank`` and stage every tensor (a delta's
         pieces applied onto the copy, which must hold exactly its base)."""
         offered = plan.transfer_info if isinstance(plan, PushRound) else None
-        base = offered.delta_base() if offered is not None else None
+        base = delta_base_of(offered)
         if base is not None and base != self.version:
             raise DeltaBaseError(f"{plan.round_id} is a delta onto version {base}; the coordinator's copy holds version {self.version}")
         counts = list(offered.delta_counts) if base is not None else None

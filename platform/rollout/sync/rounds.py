@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 from rollout.errors import InvalidRequestError
 from rollout.sync import digest as digests_
 from rollout.sync.backends import get_backend
+from rollout.sync.backends.base import delta_base_of
 from rollout.sync.membership import Membership
 from rollout.sync.protocol import (
     RESTORE_ROUNDS,
@@ -291,7 +292,7 @@ class Rounds:
 
     def _check_delta_base(self, offered: Any) -> None:
         """A delta (rollout.sync.delta) applies only onto the committed version."""
-        base = offered.delta_base() if offered is not None else None
+        base = delta_base_of(offered)
         if base is not None and base != self.store.version:
             raise DeltaBaseError(f"the delta applies onto version {base}, the committed version is {self.store.version}: publish in full")
 

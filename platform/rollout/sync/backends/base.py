@@ -67,6 +67,12 @@ class TransferInfo:
             raise InvalidRequestError(f"transfer_info.{missing[0]}" if missing else "transfer_info", str(e)) from None
 
 
+def delta_base_of(offered: Any) -> Optional[int]:
+    """The version a round's offer applies onto where it is a delta (see
+    :meth:`TransferInfo.delta_base`), else None."""
+    return offered.delta_base() if isinstance(offered, TransferInfo) else None
+
+
 @dataclass(frozen=True)
 class SendChoice:
     """How a sender sent the last publish, and why (see :mod:`rollout.sync.delta`):
