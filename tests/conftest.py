@@ -57,7 +57,7 @@ METRICS_PORT = free_port()
 
 # End-to-end modules share one app and run in this order: later ones change its state
 # (weights, replica count) that earlier ones assume.
-E2E_ORDER = ["test_generation_e2e", "test_rollout_stream_e2e", "test_rewards_e2e", "test_episodes_e2e", "test_tools_e2e", "test_sandbox_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_agent_env_e2e", "test_lora_e2e", "test_scaling_e2e"]
+E2E_ORDER = ["test_generation_e2e", "test_rollout_stream_e2e", "test_rewards_e2e", "test_episodes_e2e", "test_tools_e2e", "test_sandbox_e2e", "test_bad_input_e2e", "test_api_schema_e2e", "test_overload_e2e", "test_openai_e2e", "test_weight_sync_e2e", "test_vllm_routes_e2e", "test_metrics_e2e", "test_agent_env_e2e", "test_weight_delta_e2e", "test_lora_e2e", "test_scaling_e2e"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -201,3 +201,23 @@ def test_the_digest_goal_is_met_only_when_every_interval_lies_under_it():
     assert _digest_goal_met([point(0.01, 0.04), point(-0.02, 0.049)]) is True
     assert _digest_goal_met([point(0.01, 0.04), point(0.051, 0.2)]) is False
     assert _digest_goal_met([point(0.01, 0.04), point(-0.1, 0.3)]) is None
+
+
+def test_the_delta_table_shows_bytes_and_time_of_every_path_from_the_json(tmp_path):
+    rounds = {"full": [1.0, 1.2, 1.1], "delta_1pct": [0.5, 0.7, 0.6], "delta_10pct": [0.8, 0.9, 1.0]}
+    paths = {
+        name: {"publish_s": sorted(r)[1], "publish_rounds": r, "modes": ["full" if name == "full" else "delta"], "bytes_sent": b, "phases_s": {"trainer.send": 0.25}}
+        for (name, r), b in zip(rounds.items(), (120e6, 3.6e6, 36e6))
+    }
+    paths["delta_1pct"].update(vs_full=0.52, vs_full_interval_90=[0.5, 0.55], bytes_vs_full=0.03)
+    paths["delta_10pct"].update(vs_full=0.81, vs_full_interval_90=[0.78, 0.9], bytes_vs_full=0.3)
+    result = {
+        "backend": "gloo_delta", "replicas": 1, "parameters": 30e6, "tensors": 100, "bytes": 120e6, "repeats": 3,
+        "order": "interleaved", "ratios": "paired", "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11"}, "paths": paths,
+    }
+    (tmp_path / "weight_delta.json").write_text(json.dumps(result))
+    text = report.render(tmp_path)
+    assert "| 1% changed, sent in full | full | 120.00 MB | 100% | 1.10 s (1.00-1.20) | 1 |" in text
+    assert "| 1% changed, as a delta | delta | 3.60 MB | 3.0% | 0.60 s (0.50-0.70) | **0.52x** (0.50-0.55) |" in text
+    assert "| 10% changed, as a delta | delta | 36.00 MB | 30.0% | 0.90 s (0.80-1.00) | **0.81x** (0.78-0.90) |" in text
+    assert "- 10% changed, as a delta: trainer.send 0.250" in text

@@ -289,7 +289,7 @@ class SyncConfig(_Section):
     enabled: bool = Field(default=True, description="Deploy the weight-sync coordinator and let trainers publish weights.")
     backend: SyncBackendName = Field(
         default="auto",
-        description="Transport between trainer and engines: `gloo` (CPU; ours, with the coordinator's weight copy for catch-up and rollback), `nccl` (GPU; vLLM's engine), `ipc` (GPU, a trainer on the replicas' GPU; vLLM's CUDA IPC engine, zero-copy); `auto` picks `gloo` or `nccl` by device.",
+        description="Transport between trainer and engines: `gloo` (CPU; ours, with the coordinator's weight copy for catch-up and rollback), `nccl` (GPU; vLLM's engine), `ipc` (GPU, a trainer on the replicas' GPU; vLLM's CUDA IPC engine, zero-copy); their delta forms, which send only the elements changed since the committed weights where that is cheaper: `gloo_delta` (CPU; keeps a copy of the weights on the trainer and on each replica) and `sparse_nccl` (GPU; vLLM's sparse NCCL engine); `auto` picks `gloo` or `nccl` by device.",
     )
     pause_mode: PauseMode = Field(
         default="keep",

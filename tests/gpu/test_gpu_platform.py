@@ -925,6 +925,42 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, p
     assert peak_growth < 0.05 * nbytes, f"the trainer's GPU memory grew by {peak_growth} bytes for {nbytes} bytes of weights"
 
 
+# ---- sparse NCCL publish (deltas) -----------------------------------------------
+
+
+def test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_exactly_the_published_weights(stage, perturbed, record):
+    """``sparse_nccl``: vLLM's own sparse NCCL engine on the replica. The first publish
+    (no base) patches every element; the next is a delta against it, applied in place by
+    vLLM's ``load_checkpoint_weight_patches``; greedy equals a fresh engine on the result."""
+    from rollout.sync import WeightPublisher
+
+    app = stage.app_for(platform_cfg("gpu-sparse", "sparse_nccl"))
+    record(replica_start_s=round(app.start_s, 1))
+    want = stage.reference(perturbed)
+    trainer = torch.device("cuda", app.trainer_gpu)
+    base = load_weights(MODEL, str(trainer))
+    new = load_weights(perturbed, str(trainer))
+    app.published = True
+    pub = WeightPublisher.connect(app_name=app.name, backend="sparse_nccl")
+    try:
+        t0 = time.perf_counter()
+        first = pub.publish(base, checkpoint=str(MODEL))
+        first_s, first_choice = round(time.perf_counter() - t0, 4), pub.last_choice
+        t0 = time.perf_counter()
+        version = pub.publish(new, checkpoint=str(perturbed))
+        delta_s, choice = round(time.perf_counter() - t0, 4), pub.last_choice
+    finally:
+        pub.close()
+    app.committed = version
+    got = greedy(on_platform(app.handle))
+    record(
+        first_publish_s=first_s, first_mode=first_choice.mode, delta_publish_s=delta_s, delta_mode=choice.mode,
+        delta_bytes_sent=choice.bytes_sent, full_bytes=choice.full_bytes, greedy=first_mismatch(got, want), phases=pub.last_outcome.phases,
+    )
+    assert first_choice.mode == "full" and choice.mode == "delta" and version == first + 1
+    assert got == want, first_mismatch(got, want)
+
+
 # ---- tensor parallelism --------------------------------------------------------
 
 

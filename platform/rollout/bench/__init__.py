@@ -19,7 +19,7 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-BENCHMARKS = ("engine_throughput", "weight_sync", "scaling", "rollout_stream", "python_tool", "hosts_publish", "coordinator_scale", "prefix_cache")
+BENCHMARKS = ("engine_throughput", "weight_sync", "weight_delta", "scaling", "rollout_stream", "python_tool", "hosts_publish", "coordinator_scale", "prefix_cache")
 # Benchmarks that run no model: `--only` these builds none.
 WITHOUT_MODEL = ("python_tool", "coordinator_scale")
 
@@ -38,6 +38,10 @@ def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCH
         from rollout.bench.weight_sync import run as run_sync
 
         write_result(out_dir, "weight_sync", run_sync(model_dir.parent))
+    if "weight_delta" in only:
+        from rollout.bench.weight_sync import run_deltas
+
+        write_result(out_dir, "weight_delta", run_deltas(model_dir.parent))
     if "scaling" in only:
         from rollout.bench.scaling import run as run_scaling
 

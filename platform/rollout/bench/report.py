@@ -173,6 +173,32 @@ def _digest_costs(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+_DELTA_PATHS = {"full": "1% changed, sent in full", "delta_1pct": "1% changed, as a delta", "delta_10pct": "10% changed, as a delta"}
+
+
+def weight_delta(r: dict[str, Any]) -> list[str]:
+    machine = _machine(r)
+    if r.get("load_average_1min"):
+        machine += f"; load average {r['load_average_1min']['start']:g} at the start, {r['load_average_1min']['end']:g} at the end"
+    points = [{"path": name, **r["paths"][name]} for name in _DELTA_PATHS if name in r["paths"]]
+    lines = _table(
+        f"**weight_delta** (`{r['backend']}`, {r['replicas']} replica{'s' if r['replicas'] > 1 else ''}; {r['parameters'] / 1e6:.1f}M parameters, "
+        f"{r['bytes'] / 1e6:.0f} MB in {r['tensors']} tensors; {r['repeats']} rounds a path, {r['order']}{'; ' + machine if machine else ''}). "
+        f"Ratios: {r['ratios']}." + (f" Bytes: {r['bytes_sent']}." if r.get("bytes_sent") else ""),
+        [
+            ("publish", lambda p: _DELTA_PATHS[p["path"]]),
+            ("sent as", lambda p: "/".join(p["modes"])),
+            ("bytes to the replicas", lambda p: f"{p['bytes_sent'] / 1e6:.2f} MB"),
+            ("bytes / full", lambda p: f"{100 * p['bytes_vs_full']:.1f}%" if "bytes_vs_full" in p else "100%"),
+            ("publish (range)", _seconds("publish_s", "publish_rounds")),
+            ("time / full (90% interval)", lambda p: _bold_with_interval(p["vs_full"], p.get("vs_full_interval_90")) if "vs_full" in p else "1"),
+        ],
+        points,
+    )
+    steps = [f"- {_DELTA_PATHS[p['path']]}: {_named(p['phases_s'], '.3f')}" for p in points if p.get("phases_s")]
+    return lines + _notes("Steps of a round (medians, seconds):", steps)
+
+
 def _seconds_range(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -361,6 +387,7 @@ def coordinator_scale(r: dict[str, Any]) -> list[str]:
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_throughput": engine_throughput,
     "weight_sync": weight_sync,
+    "weight_delta": weight_delta,
     "scaling": scaling,
     "rollout_stream": rollout_stream,
     "python_tool": python_tool,

@@ -341,3 +341,112 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
         "digest_goal_met": _digest_goal_met(points),
         "points": points,
     }
+
+
+# ---- deltas: full against delta sends (the gloo_delta backend) -------------------------
+
+DELTA_FRACTIONS = {"delta_1pct": 0.01, "delta_10pct": 0.10}
+
+
+def changed_weights(tensors: dict[str, torch.Tensor], fraction: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """``tensors`` with ``fraction`` of every tensor's elements (at least one) moved: a
+    training step that touches few weights (the delta tests use it too)."""
+    out = {}
+    for name, t in tensors.items():
+        new = t.clone()
+        flat = new.reshape(-1)
+        k = max(1, int(flat.numel() * fraction))
+        idx = torch.randperm(flat.numel(), generator=generator)[:k]
+        flat[idx] += (torch.rand(k, generator=generator) + 0.5).to(flat.dtype) * 0.01
+        out[name] = new
+    return out
+
+
+def _delta_paths(publisher, tensors: dict[str, torch.Tensor]) -> dict[str, Callable[[], tuple[float, dict[str, Any]]]]:
+    """Publishes that change the committed weights by 1% (sent in full, and as a delta)
+    and by 10% (as a delta); each round's weights are the last commit's, changed."""
+    state = {"committed": tensors}
+    g = torch.Generator().manual_seed(0)
+
+    def path(fraction: float, as_delta: bool):
+        def fn() -> tuple[float, dict[str, Any]]:
+            new = changed_weights(state["committed"], fraction, g)
+            t0 = time.perf_counter()
+            publisher.publish(new, delta=as_delta)
+            seconds = time.perf_counter() - t0
+            phases = _phases(publisher)
+            # The coordinator's copy goes in full after every commit, off the publish's path;
+            # it must not overlap the next round.
+            publisher.flush()
+            phases["copy_after_publish"] = time.perf_counter() - t0 - seconds
+            state["committed"] = new
+            c = publisher.last_choice
+            return seconds, {"mode": c.mode, "bytes_sent": c.bytes_sent, "full_bytes": c.full_bytes, **phases}
+
+        return fn
+
+    return {"full": path(0.01, False), **{name: path(f, True) for name, f in DELTA_FRACTIONS.items()}}
+
+
+def run_deltas(out_root: Path, rounds: int = ROUNDS, replicas: int = 1) -> dict[str, Any]:
+    """Bytes moved and seconds of a publish sent in full against one sent as a delta, at 1%
+    and 10% of the elements changed: one platform on ``gloo_delta``, the paths taking
+    turns round by round (the order rotated), each delta round paired with the full round
+    next to it."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.sync import WeightPublisher
+
+    model_dir = out_root / "model-medium"
+    if not is_built(model_dir):
+        build_model(model_dir, size="medium")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "bench")
+    cfg = cpu_config(model_dir, http={"port": 8767}, deployment={"num_cpus": 0.5, "replicas": replicas}, sync={"backend": "gloo_delta"})
+    # The machine's load over the run (other work on it slows every path alike: the rounds
+    # are paired), recorded with the result.
+    load = [os.getloadavg()[0]]
+    with local_platform(cfg):
+        publisher = WeightPublisher.connect(app_name=cfg.app_name)
+        try:
+            publisher.publish(tensors, delta=False)  # the base every later round changes
+            measured = _interleaved(_delta_paths(publisher, tensors), rounds)
+        finally:
+            publisher.close()
+    load.append(os.getloadavg()[0])
+    paths = {}
+    for name, results in measured.items():
+        seconds = [s for s, _ in results]
+        paths[name] = {
+            "publish_s": statistics.median(seconds),
+            "publish_rounds": seconds,
+            "modes": sorted({r["mode"] for _, r in results}),
+            "bytes_sent": statistics.median(r["bytes_sent"] for _, r in results),
+            "phases_s": _median_phases([{k: v for k, v in r.items() if isinstance(v, float)} for _, r in results]),
+        }
+    full_s = paths["full"]["publish_rounds"]
+    for name in DELTA_FRACTIONS:
+        ratios = paired_ratios(paths[name]["publish_rounds"], full_s)
+        paths[name].update(
+            vs_full=round(statistics.median(ratios), 3),
+            vs_full_interval_90=[round(v, 3) for v in median_interval(ratios)],
+            bytes_vs_full=round(paths[name]["bytes_sent"] / paths["full"]["bytes_sent"], 4),
+        )
+    return {
+        "benchmark": "weight_delta",
+        "model": str(model_dir),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "tensors": len(tensors),
+        "bytes": nbytes,
+        "replicas": replicas,
+        "backend": "gloo_delta",
+        "repeats": rounds,
+        "order": "interleaved: a full publish (1% changed, publish(delta=False)) and delta publishes at 1% and 10% changed in turn, the order rotated every round",
+        "bytes_sent": "what the publisher broadcasts to the replicas; after every commit the coordinator's copy gets the full weights too, off the publish's path (copy_after_publish)",
+        "ratios": "paired: the median of each round's delta publish / the full publish of the same round; the interval is a bootstrap 90% interval of that median",
+        "machine": machine(),
+        "load_average_1min": {"start": round(load[0], 2), "end": round(load[1], 2)},
+        "paths": paths,
+    }

@@ -39,6 +39,7 @@ from rollout.errors import StaleWeightsError, unwrap_remote
 from rollout.sync import digest, net
 from rollout.sync.adapters import ServedAdapters
 from rollout.sync.backends import get_backend
+from rollout.sync.backends.base import delta_base_of
 from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
 from rollout.sync.coordinator_client import CoordinatorHandle
@@ -46,6 +47,7 @@ from rollout.sync.protocol import (
     RESTORE_ROUNDS,
     AdapterRound,
     Control,
+    DeltaBaseError,
     NoCommittedCopyError,
     NotRegisteredError,
     PullRound,
@@ -586,6 +588,11 @@ class SyncAgent:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         backend = get_backend(plan.backend)
+        offered = plan.transfer_info if isinstance(plan, PushRound) else None
+        base = delta_base_of(offered)
+        if base is not None and base != self.version:
+            # Before anything joins or loads: a delta never lands on another version.
+            raise DeltaBaseError(f"{plan.round_id} is a delta onto version {base}; replica {self.replica_id} serves version {self.version}")
         async with clock("join"):  # ~0 where the engine keeps its group
             init_info = backend.engine_init_info(plan, plan.member(self.replica_id))
             joined = _Joined(plan.group, init_info) if isinstance(plan, PushRound) else None
@@ -607,7 +614,6 @@ class SyncAgent:
                 await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), limits.step_s)
         moved.joined = joined
         await self._start_update(moved, clock, limits)
-        offered = plan.transfer_info if isinstance(plan, PushRound) else None
         await self._receive(plan, backend.update_info(plan.params, offered), clock, limits, moved)
 
     async def _receive_in_session(self, plan: SessionRound, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:

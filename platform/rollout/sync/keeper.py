@@ -20,9 +20,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from rollout.sync import delta
+from rollout.sync.backends.base import delta_base_of
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, copy_rendezvous, rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
-from rollout.sync.protocol import ParamSpec, PullRound, PushRound, SessionRound
+from rollout.sync.protocol import DeltaBaseError, ParamSpec, PullRound, PushRound, SessionRound
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +48,22 @@ class WeightKeeper:
         self._slot.join(rendezvous(plan), rank)
 
     def receive(self, plan: Union[PushRound, SessionRound], rank: int) -> None:
-        """Blocking: join ``plan``'s group as ``rank`` and stage every tensor."""
+        """Blocking: join ``plan``'s group as ``rank`` and stage every tensor (a delta's
+        pieces applied onto the copy, which must hold exactly its base)."""
+        offered = plan.transfer_info if isinstance(plan, PushRound) else None
+        base = delta_base_of(offered)
+        if base is not None and base != self.version:
+            raise DeltaBaseError(f"{plan.round_id} is a delta onto version {base}; the coordinator's copy holds version {self.version}")
+        counts = list(offered.delta_counts) if base is not None else None
+        wire = delta.wire_specs(plan.params, counts) if counts is not None else plan.params
         staged: dict[str, torch.Tensor] = {}
         with self._slot.use(rendezvous(plan), rank) as group:
-            for named in receive_buckets(group, plan.params, plan.bucket_bytes):
+            for named in receive_buckets(group, wire, plan.bucket_bytes):
                 # One buffer per bucket stays alive; the views keep it.
                 staged.update(named)
+        if counts is not None:
+            committed = dict(zip((p.name for p in plan.params), self.committed(plan.params)))
+            staged = delta.apply(committed, plan.params, counts, staged)
         self._staging[plan.round_id] = (plan.version, staged)
 
     def receive_copy(self, plan: PushRound) -> dict[str, torch.Tensor]:

@@ -54,6 +54,12 @@ class CoordinatorUnreachableError(SyncError):
     answers again."""
 
 
+class DeltaBaseError(SyncError):
+    """A delta names a base its receiver does not hold (another version, or bytes whose
+    digest differs): it is refused before anything loads, never applied onto the wrong
+    base (rollout.sync.delta). The publisher then sends in full."""
+
+
 class NotRegisteredError(SyncError):
     """The coordinator does not know the replica (it restarted): register, then ask again."""
 

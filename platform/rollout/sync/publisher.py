@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -26,13 +27,14 @@ import torch
 from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import make_sender
-from rollout.sync.backends.base import CopySender, Sender
 from rollout.sync.adapters import config_json, encode_tensors
+from rollout.sync.backends.base import CopySender, SendChoice, Sender
 from rollout.sync.protocol import (
     COORDINATOR_NAME,
     AdapterRequest,
     SYNC_TOKEN_ENV,
     CoordinatorUnreachableError,
+    DeltaBaseError,
     ParamSpec,
     PublisherUnreachableError,
     PushRound,
@@ -130,6 +132,9 @@ class WeightPublisher:
         self.last_sync_s: Optional[float] = None
         self.last_phases: dict[str, float] = {}
         self.last_outcome: Optional[RoundOutcome] = None
+        # How the last publish was sent: "delta" or "full", its bytes and the rule's reasoning
+        # (rollout.sync.backends.base.SendChoice); None where the backend always sends in full.
+        self.last_choice: Optional[SendChoice] = None
         # Whether the last round went over the transfer group kept from the round before
         # (the coordinator named it: no rendezvous, no engine init on the replicas).
         self.last_group_kept: Optional[bool] = None
@@ -180,7 +185,7 @@ class WeightPublisher:
         """
         return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token), ports=ports)
 
-    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None) -> int:
+    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None, *, delta: bool = True) -> int:
         """Send weights to every live replica; return the committed version once every
         replica serves it. A replica that does not confirm within the step deadline
         (``sync.timeout_s``) does not hold the trainer longer: the version stays committed,
@@ -190,6 +195,14 @@ class WeightPublisher:
         safetensors, e.g. ``save_pretrained``) on storage every replica can read. Once
         committed, replicas that start later or roll back reload it themselves; with
         the GPU backends, which keep no copy, it is the only way they can catch up.
+
+        With a delta backend (``gloo_delta``, ``sparse_nccl``) the publisher sends only
+        the elements changed since the version it last committed where that moves fewer
+        bytes (rollout.sync.delta); ``delta=False`` sends in full. ``last_choice`` says how
+        it went: ``mode`` "delta" or "full", ``bytes_sent``, ``full_bytes`` and the rule's
+        reasoning. A delta whose base is no longer the committed version (another
+        publisher committed since) is refused before any round opens, and the publish
+        goes in full (logged).
 
         Raises ``InvalidRequestError`` (unknown names, wrong shapes or dtypes, version
         not increasing) or ``AuthenticationError`` before any replica changes, and
@@ -221,6 +234,15 @@ class WeightPublisher:
                 f"this publisher would advertise {advertised.address!r} ({advertised.source}), which is not an address of this host; "
                 f"set {net.ADDRESS_ENV} to one of this host's addresses that the replicas reach"
             )
+        # A delta sender prices a delta against what it last committed (rollout.sync.delta).
+        # The HTTP route carries no transfer info: over it every send is full.
+        over_http = isinstance(self._coordinator, HttpCoordinator)
+        full_because = None
+        if over_http:
+            full_because = "deltas need WeightPublisher.connect (the HTTP route carries no transfer info)"
+        elif not delta:
+            full_because = "publish(delta=False)"
+        self._sender.prepare(list(tensors.items()), full_because)
         request = RoundRequest(
             params=tuple(specs),
             master_address=advertised.address,
@@ -233,7 +255,15 @@ class WeightPublisher:
             copy_group=copy.group_name if copy is not None else "",
             copy_port=copy.port if copy is not None else 0,
         )
-        plan = self._coordinator.begin_round(self._token, request)
+        try:
+            plan = self._coordinator.begin_round(self._token, request)
+        except DeltaBaseError as e:
+            # The committed version is not this publisher's base (another publisher, a
+            # storage publish): nothing opened; send in full instead.
+            logger.warning("the coordinator refused the delta (%s): sending in full", e)
+            self._sender.prepare(list(tensors.items()), f"the coordinator refused the delta ({e})")
+            plan = self._coordinator.begin_round(self._token, replace(request, transfer_info=self._sender.offer(list(tensors.values()))))
+        self.last_choice = self._sender.choice
         t_open = time.perf_counter()
         self.last_group_kept = bool(plan.transfer.group_name)
         sender = self._sender
@@ -267,6 +297,7 @@ class WeightPublisher:
         self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
         self.last_phases.update({f"send.{k}": v for k, v in sender.phases.items()})
         self.last_outcome = outcome
+        sender.decided(outcome.version if outcome.committed else None)
         if copier is not None and plan.copy is not None and self._sender is copier:
             if outcome.committed:
                 self._start_copy(copier, plan)

@@ -68,7 +68,10 @@ class BeginRoundBody(BaseModel):
         if request.transfer_info is not None:
             # CUDA IPC handles only mean something on the replicas' node, and replicas
             # unpickle them: the platform never accepts them over the network.
-            raise SyncError("backend: 'ipc' handles cannot travel over HTTP; publish with WeightPublisher.connect from the replicas' GPU node")
+            raise SyncError(
+                "backend: transfer info ('ipc' handles, 'sparse_nccl' patch counts) cannot travel over HTTP; publish with "
+                "WeightPublisher.connect from inside the Ray cluster ('ipc': from the replicas' GPU node)"
+            )
         fields = {k: getattr(request, k) for k in cls.model_fields if k != "params"}
         params = [SyncParam(name=p.name, dtype=p.dtype, shape=list(p.shape)) for p in request.params]
         return cls(**fields, params=params)

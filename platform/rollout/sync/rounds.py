@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 from rollout.errors import InvalidRequestError
 from rollout.sync import digest as digests_
 from rollout.sync.backends import get_backend
+from rollout.sync.backends.base import delta_base_of
 from rollout.sync.membership import Membership
 from rollout.sync.adapters import adapter_of, check_adapter
 from rollout.sync.protocol import (
@@ -31,6 +32,7 @@ from rollout.sync.protocol import (
     AdapterRequest,
     AdapterRound,
     CopyGroup,
+    DeltaBaseError,
     Member,
     PullRound,
     PushRound,
@@ -280,6 +282,7 @@ class Rounds:
         self.store.check_checkpoint(request.checkpoint)
         self._check_version(request.version)
         async with self.opening():
+            self._check_delta_base(offered)  # under the lock: no commit moves the base meanwhile
             plan = self._plan_push(request, offered)
             self.store.offered(plan.round_id, request.checkpoint)
             self.open(plan)
@@ -289,6 +292,12 @@ class Rounds:
             f"reusing group {plan.transfer.group_name}" if plan.transfer.group_name else "new group",
         )
         return plan
+
+    def _check_delta_base(self, offered: Any) -> None:
+        """A delta (rollout.sync.delta) applies only onto the committed version."""
+        base = delta_base_of(offered)
+        if base is not None and base != self.store.version:
+            raise DeltaBaseError(f"the delta applies onto version {base}, the committed version is {self.store.version}: publish in full")
 
     def _check_version(self, version: Optional[int]) -> None:
         if version is not None and version <= self.store.version:

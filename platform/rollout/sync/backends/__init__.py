@@ -1,5 +1,5 @@
 """The weight-sync backends, by name: a registry in the shape of vLLM's
-``WeightTransferEngineFactory``. Each backend is one module (``gloo``, ``nccl``, ``ipc``)
+``WeightTransferEngineFactory``. Each backend is one module (``gloo``, ``nccl``, ``ipc``; their delta forms ``gloo_delta``, ``sparse_nccl``)
 holding its :class:`~rollout.sync.backends.base.SyncBackend`, its trainer-side sender and
 what its sender offers; adding one is one new file plus one entry here (or
 :func:`register_backend`). Everything else reads what the backend declares: its init info,
@@ -28,6 +28,13 @@ _REGISTRY: dict[str, str] = {
     # GPU engines, vLLM's own CUDA IPC engine; the trainer on the replicas' GPU.
     "ipc": "rollout.sync.backends.ipc:IpcBackend",
 }
+# The same transports sending only what changed since the committed weights where that
+# is cheaper (rollout.sync.delta): gloo's with our engine, vLLM's sparse NCCL engine.
+_DELTA_FORMS: dict[str, str] = {
+    "gloo_delta": "rollout.sync.backends.gloo_delta:GlooDeltaBackend",
+    "sparse_nccl": "rollout.sync.backends.sparse_nccl:SparseNcclBackend",
+}
+_REGISTRY.update(_DELTA_FORMS)
 _loaded: dict[str, "SyncBackend"] = {}
 
 AUTO = "auto"
@@ -47,7 +54,8 @@ def register_backend(name: str, target: str) -> None:
 def get_backend(name: str) -> "SyncBackend":
     if name not in _loaded:
         if name not in _REGISTRY:
-            raise ValueError(f"backend: unknown {name!r} (available: {', '.join(map(repr, _REGISTRY))})")
+            full = ", ".join(repr(n) for n in _REGISTRY if n not in _DELTA_FORMS)
+            raise ValueError(f"backend: unknown {name!r} (available: {full}) or, sending deltas, ({', '.join(map(repr, _DELTA_FORMS))})")
         module, cls = _REGISTRY[name].split(":")
         _loaded[name] = getattr(importlib.import_module(module), cls)()
     return _loaded[name]

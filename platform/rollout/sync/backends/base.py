@@ -37,6 +37,11 @@ class TransferInfo:
     info. It travels in the round (``RoundRequest.transfer_info``, the plan's), pickled
     over Serve; never over HTTP."""
 
+    def delta_base(self) -> Optional[int]:
+        """The version a delta applies onto (every receiver must hold exactly it), or None
+        where what is offered is no delta."""
+        return None
+
     def update_fields(self) -> dict[str, Any]:
         """The fields it adds to vLLM's update info."""
         return asdict(self)
@@ -62,6 +67,27 @@ class TransferInfo:
             raise InvalidRequestError(f"transfer_info.{missing[0]}" if missing else "transfer_info", str(e)) from None
 
 
+def delta_base_of(offered: Any) -> Optional[int]:
+    """The version a round's offer applies onto where it is a delta (see
+    :meth:`TransferInfo.delta_base`), else None."""
+    return offered.delta_base() if isinstance(offered, TransferInfo) else None
+
+
+@dataclass(frozen=True)
+class SendChoice:
+    """How a sender sent the last publish, and why (see :mod:`rollout.sync.delta`):
+    ``mode`` "delta" (what changed since the committed weights) or "full"; the bytes it
+    put on the wire for the replicas, the bytes of a full send, the bytes the delta came
+    to where one was computed, and the rule's reasoning in words."""
+
+    mode: str
+    bytes_sent: int
+    full_bytes: int
+    delta_bytes: Optional[int] = None
+    changed_elements: Optional[int] = None
+    rule: str = ""
+
+
 class CopyOffer(NamedTuple):
     """Where the coordinator's copy of the next round goes: the group of two (the
     publisher at its advertised address and ``port`` as rank 0, the copy as rank 1)."""
@@ -81,11 +107,19 @@ class Sender(ABC):
         # for the coordinator to compare with what each replica received; None where the
         # backend computes none.
         self.sent_digests: Optional[dict[str, str]] = None
+        # How the last send went (delta or full, its bytes), where the sender decides; the
+        # publisher reports it as ``last_choice``. None where the sender always sends in full.
+        self.choice: Optional[SendChoice] = None
 
     @property
     def group_name(self) -> Optional[str]:
         """The transfer group kept from the last round, if the transport can reuse it."""
         return None
+
+    def prepare(self, named: Sequence[tuple[str, Any]], full_because: Optional[str] = None) -> None:
+        """Before the round opens, with the tensors by name: a delta sender prices a delta
+        against what it last committed (see :mod:`rollout.sync.delta`) unless
+        ``full_because`` says why this send must be full; it sets :attr:`choice`."""
 
     def offer(self, tensors: Sequence[Any]) -> Optional[TransferInfo]:
         """Before the round opens: what replicas need to pull the weights themselves
@@ -95,6 +129,10 @@ class Sender(ABC):
     @abstractmethod
     def send(self, plan: TransferRound, tensors: Sequence[Any]) -> None:
         """Deliver ``tensors`` (in ``plan.params`` order) to every rank of the round."""
+
+    def decided(self, version: Optional[int]) -> None:
+        """The round this sender last sent was decided: committed as ``version``, or
+        aborted (None). A delta sender's base follows what is committed."""
 
     def close(self) -> None:
         """Release the transfer group."""

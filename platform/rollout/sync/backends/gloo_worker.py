@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -21,6 +21,9 @@ from rollout.sync import digest
 from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets
 from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, ParamSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -119,9 +122,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 digest.digest_all(named, into=received)
                 digest_s += time.perf_counter() - t0
             self.model.load_weights(named)
+            self._loaded(named)
         if path:
-            pc = self.parallel_config
-            digest.write_received(path, pc.data_parallel_index * pc.world_size + pc.rank, received, digest_s)
+            self._write_digests(path, received, digest_s)
+
+    def _loaded(self, named: list[tuple[str, "torch.Tensor"]]) -> None:
+        """One bucket's tensors, loaded (their buffer is theirs to keep: gloo_delta keeps them)."""
+
+    def _write_digests(self, path: str, received: digest.TensorDigests, seconds: float) -> None:
+        pc = self.parallel_config
+        digest.write_received(path, pc.data_parallel_index * pc.world_size + pc.rank, received, seconds)
 
     def shutdown(self) -> None:
         self.slot.drop()

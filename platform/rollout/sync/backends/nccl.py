@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -90,8 +90,23 @@ class NcclSender(Sender):
     def send(self, plan: TransferRound, tensors: Sequence[torch.Tensor]) -> None:
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
+        def broadcast(group: Any, device: torch.device) -> None:
+            named = ((p.name, t) for p, t in zip(plan.params, tensors))
+            packed_nccl_broadcast_producer(
+                iterator=named,
+                group=group,
+                src=0,
+                post_iter_func=lambda item: item[1].to(device, non_blocking=True),
+                buffer_size_bytes=plan.bucket_bytes,
+                num_buffers=NCCL_BUFFERS,
+            )
+
+        self._over_communicator(plan, sending_device(tensors, "nccl"), broadcast)
+
+    def _over_communicator(self, plan: TransferRound, device: torch.device, broadcast: Callable[[Any, torch.device], None]) -> None:
+        """Run ``broadcast(communicator, device)`` on the round's communicator (kept or
+        formed), the sending GPU current; ``phases`` say where the time went."""
         self.phases = {}
-        device = sending_device(tensors, "nccl")
         t0 = time.perf_counter()
         replaced = None
         try:
@@ -99,15 +114,7 @@ class NcclSender(Sender):
             with torch.cuda.device(device):
                 group, replaced = self._communicator(plan, device)
                 t1 = time.perf_counter()
-                named = ((p.name, t) for p, t in zip(plan.params, tensors))
-                packed_nccl_broadcast_producer(
-                    iterator=named,
-                    group=group,
-                    src=0,
-                    post_iter_func=lambda item: item[1].to(device, non_blocking=True),
-                    buffer_size_bytes=plan.bucket_bytes,
-                    num_buffers=NCCL_BUFFERS,
-                )
+                broadcast(group, device)
                 t2 = time.perf_counter()
                 torch.cuda.synchronize(device)
         except BaseException:

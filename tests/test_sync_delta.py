@@ -1,0 +1,297 @@
+"""Deltas (rollout.sync.delta): what changed, the rule that picks a delta or a full send, the
+gloo_delta round over a real gloo group (the publisher's sender, the replicas' engine, the
+coordinator's copy), refusals of a delta onto another base, and sparse_nccl's CPU parts."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout.sync import delta, digest
+from rollout.sync.backends import get_backend, make_sender
+from rollout.sync.protocol import DeltaBaseError, Member, ParamSpec, PushRound, RoundRequest, Transfer
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def changed(base: dict[str, torch.Tensor], fraction: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    from rollout.bench.weight_sync import changed_weights
+
+    return changed_weights(base, fraction, torch.Generator().manual_seed(seed))
+
+
+def demo_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+# ---- what changed, and the rule --------------------------------------------------------
+
+
+def test_changed_elements_are_found_bit_for_bit():
+    base = torch.tensor([0.0, 1.0, float("nan"), 3.0, 4.0])
+    new = torch.tensor([-0.0, 1.0, float("nan"), 3.5, 4.0])
+    # -0.0 differs from 0.0 in its bytes (a dense load would write it); a NaN kept is no change.
+    assert delta.changed_indices(base, new).tolist() == [0, 3]
+    with pytest.raises(ValueError, match="not the same tensor"):
+        delta.changed_indices(base, new[:4])
+
+
+def test_the_rule_sends_what_is_cheaper_per_tensor_and_a_delta_only_where_the_publish_costs_less():
+    base = {"few": torch.zeros(1000), "most": torch.zeros(100), "ints": torch.zeros(10, dtype=torch.int64), "same": torch.ones(50), "nan": torch.zeros(100)}
+    new = {k: v.clone() for k, v in base.items()}
+    new["few"][:10] = 1.0  # 10 of 1000: 10 x (8 + 4) bytes beat 4000
+    new["most"][:60] = 1.0  # 60 of 100: 720 bytes lose to 400
+    new["ints"][0] = 7  # not floating: vLLM's loader marks unchanged elements with NaN
+    new["nan"][0] = float("nan")  # a NaN value cannot travel sparse
+    d = delta.compute(base, list(new.items()), index_bytes=8)
+    assert d.counts == [10, delta.DENSE, delta.DENSE, 0, delta.DENSE]
+    full = 4000 + 400 + 80 + 200 + 400
+    assert d.choice.mode == "delta" and d.choice.full_bytes == full
+    assert d.choice.bytes_sent == d.choice.delta_bytes == 10 * 12 + 400 + 80 + 400
+    assert d.choice.changed_elements == 10 + 60 + 1 + 1
+    assert "1 sparse, 3 dense, 1 unchanged of 5 tensors" in d.choice.rule
+    # Everything changed: the delta is the full send, so the publish is full.
+    everything = {k: v + 1 if v.is_floating_point() else v + 1 for k, v in base.items()}
+    assert delta.compute(base, list(everything.items()), index_bytes=8).choice.mode == "full"
+    with pytest.raises(DeltaBaseError, match="'extra' is not in the delta's base"):
+        delta.compute(base, [("extra", torch.zeros(1))], index_bytes=8)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.10])
+def test_a_delta_applied_to_the_base_is_the_new_demo_model_byte_for_byte(model_dir, fraction):
+    from rollout.sync.wire import pack, unpack
+
+    base = demo_weights(model_dir)
+    new = changed(base, fraction)
+    params = [ParamSpec.of(n, t) for n, t in new.items()]
+    d = delta.compute(base, list(new.items()), index_bytes=8)
+    assert d.choice.mode == "delta" and d.choice.bytes_sent < d.choice.full_bytes * (0.05 if fraction == 0.01 else 0.4)
+    # Through the wire format (packed, unpacked) as the receivers get it.
+    wire = delta.wire_specs(params, d.counts)
+    received = dict(unpack(pack(delta.wire_tensors(d, list(new.values()))), wire))
+    applied = delta.apply(base, params, d.counts, received)
+    assert all(same_bytes(applied[n], new[n]) for n in new)
+    assert all(same_bytes(base[n], demo_weights(model_dir)[n]) for n in base), "the base was changed in place"
+
+
+# ---- a gloo_delta round over real gloo -------------------------------------------------
+
+
+class RecordingModel(torch.nn.Module):
+    """Stands in for vLLM's model in one engine: what load_weights was given, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.loaded[name] = t.clone()
+        return {n for n, _ in weights}
+
+
+def engine():
+    from rollout.sync.backends.gloo_delta_worker import GlooDeltaWeightTransferEngine
+
+    parallel = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    return GlooDeltaWeightTransferEngine(None, SimpleNamespace(parallel_config=parallel, model_config=None), torch.device("cpu"), RecordingModel())
+
+
+def push(version: int, params, port: int, transfer_info=None) -> PushRound:
+    return PushRound(
+        round_id=f"round-{version}-x", version=version, backend="gloo_delta", members=(Member("r", 1, 1),), params=tuple(params),
+        bucket_bytes=1 << 16, timeout_s=30.0, transfer=Transfer("127.0.0.1", port, 3), pause_mode="keep", keeper_rank=2, transfer_info=transfer_info,
+    )
+
+
+def run_round(sender, eng, keeper, plan: PushRound, tensors, digest_path: str) -> None:
+    """One round: the sender as rank 0, the engine as rank 1, the coordinator's copy as 2."""
+    from rollout.sync.backends.gloo_delta_worker import GlooDeltaUpdateInfo
+
+    backend = get_backend("gloo_delta")
+    errors = []
+
+    def as_engine():
+        try:
+            eng.init_transfer_engine(backend.init_info(plan, plan.member("r")))
+            eng.receive_weights(GlooDeltaUpdateInfo(**backend.update_info(plan.params, plan.transfer_info), digest_path=digest_path))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def as_keeper():
+        try:
+            keeper.receive(plan, 2)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=as_engine), threading.Thread(target=as_keeper)]
+    for t in threads:
+        t.start()
+    sender.send(plan, tensors)
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.10])
+def test_a_gloo_delta_round_leaves_the_engine_and_the_copy_with_the_new_weights_and_digests_of_them(model_dir, tmp_path, fraction):
+    from rollout.sync.keeper import WeightKeeper
+    from rollout.sync.net import free_port
+
+    base = demo_weights(model_dir)
+    new = changed(base, fraction, seed=1)
+    params = [ParamSpec.of(n, t) for n, t in base.items()]
+    sender, eng, keeper = make_sender("gloo_delta"), engine(), WeightKeeper(str(model_dir))
+    try:
+        # Version 1, in full: nothing committed to price a delta against.
+        sender.prepare(list(base.items()))
+        assert sender.choice.mode == "full" and sender.offer(list(base.values())) is None
+        run_round(sender, eng, keeper, push(1, params, free_port()), list(base.values()), str(tmp_path / "r1"))
+        assert digest.read_received(str(tmp_path / "r1")).digests == sender.sent_digests == digest.digest_all(base.items())
+        sender.decided(1)
+        keeper.commit("round-1-x", 1)
+
+        # Version 2, a delta onto version 1.
+        sender.prepare(list(new.items()))
+        offered = sender.offer(list(new.values()))
+        assert sender.choice.mode == "delta" and offered.delta_base() == 1 and offered.delta_base_digest == digest.combine(digest.digest_all(base.items()))
+        assert sender.choice.bytes_sent == sender.choice.delta_bytes < sender.choice.full_bytes
+        eng.model.loaded.clear()
+        run_round(sender, eng, keeper, push(2, params, free_port(), offered), list(new.values()), str(tmp_path / "r2"))
+        # What the publisher digested is the full new weights, and so is what the replica reports.
+        want = digest.digest_all(new.items())
+        assert sender.sent_digests == want
+        assert digest.read_received(str(tmp_path / "r2")).digests == want
+        # The model was loaded with every tensor of the new weights, byte for byte (the
+        # load a full round of them makes), through vLLM's load_checkpoint_weight_patches.
+        assert set(eng.model.loaded) == set(new) and all(same_bytes(eng.model.loaded[n], new[n]) for n in new)
+        sender.decided(2)
+        keeper.commit("round-2-x", 2)
+        held = keeper.committed(params)
+        assert keeper.version == 2 and all(same_bytes(h, new[p.name]) for h, p in zip(held, params))
+    finally:
+        sender.close()
+        eng.shutdown()
+
+
+def test_a_delta_onto_a_base_not_held_is_refused_by_the_engine_and_the_copy_before_anything_loads(model_dir):
+    from rollout.sync.backends.gloo_delta import GlooDelta
+    from rollout.sync.backends.gloo_delta_worker import GlooDeltaUpdateInfo
+    from rollout.sync.keeper import WeightKeeper
+
+    base = {"w": torch.zeros(4)}
+    params = [ParamSpec.of("w", base["w"])]
+    info = GlooDelta(delta_base_version=3, delta_base_digest=digest.combine(digest.digest_all(base.items())), delta_counts=(1,))
+    update = GlooDeltaUpdateInfo(**get_backend("gloo_delta").update_info(params, info))
+    eng = engine()
+    with pytest.raises(DeltaBaseError, match="holds no base"):
+        eng.check_base(update)
+    eng.held, eng.held_digests = {"w": torch.ones(4)}, digest.digest_all([("w", torch.ones(4))])
+    with pytest.raises(DeltaBaseError, match="not its base"):
+        eng.check_base(update)
+    eng.held, eng.held_digests = dict(base), digest.digest_all(base.items())
+    assert eng.check_base(update) is eng.held
+    # The coordinator's copy holds version 0 (the checkpoint): a delta onto 3 is refused.
+    with pytest.raises(DeltaBaseError, match="delta onto version 3; the coordinator's copy holds version 0"):
+        WeightKeeper(str(model_dir)).receive(push(4, params, 1, info), 2)
+
+
+async def test_the_coordinator_refuses_a_delta_onto_another_version_before_any_round_opens():
+    from rollout.sync.backends.gloo_delta import GlooDelta
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, "require_token": False}}, "gloo_delta")
+    specs = (ParamSpec("w", "float32", (2, 2)),)
+    await c.register("a", 1, 0, list(specs))
+    with pytest.raises(DeltaBaseError, match="onto version 2, the committed version is 0"):
+        await c.begin_round(None, RoundRequest(specs, "127.0.0.1", 1, transfer_info=GlooDelta(2, "d", (0,))))
+    assert c.rounds.current is None, "no round opened, no replica woke"
+    # A full send (nothing offered) opens as on gloo.
+    plan = await c.begin_round(None, RoundRequest(specs, "127.0.0.1", 1))
+    assert plan.transfer_info is None
+
+
+def test_a_delta_is_described_by_fields_the_engine_takes_and_bad_counts_name_the_field():
+    from rollout.errors import InvalidRequestError
+    from rollout.sync.backends.gloo_delta import GlooDelta
+    from rollout.sync.backends.gloo_delta_worker import GlooDeltaUpdateInfo
+
+    backend = get_backend("gloo_delta")
+    params = [ParamSpec("a", "float32", (3,)), ParamSpec("b", "float32", (2,))]
+    typed = backend.check_transfer_info({"delta_base_version": 1, "delta_base_digest": "d", "delta_counts": [2, -1]})
+    info = GlooDeltaUpdateInfo(**backend.update_info(params, typed))
+    assert (info.delta_base_version, info.delta_counts) == (1, [2, -1])
+    assert [s.name for s in delta.wire_specs(info.specs(), info.delta_counts)] == ["a#indices", "a#values", "b"]
+    assert backend.check_transfer_info(None) is None  # a full send
+    with pytest.raises(InvalidRequestError) as e:
+        backend.check_transfer_info({"delta_base_version": 1, "delta_base_digest": "d", "delta_counts": [-2]})
+    assert e.value.field == "transfer_info.delta_counts"
+    with pytest.raises(ValueError, match="one count per parameter"):
+        GlooDeltaUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[3]], delta_base_version=1, delta_base_digest="d", delta_counts=[1, 1])
+
+
+# ---- sparse_nccl: what runs without a GPU ------------------------------------------------
+
+
+def test_sparse_nccl_patches_every_element_first_then_only_what_changed_in_vllms_own_update_info():
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLWeightTransferUpdateInfo
+
+    backend = get_backend("sparse_nccl")
+    assert backend.vllm_engine == "sparse_nccl" and backend.worker_engine is None and not backend.keeps_copy
+    v1 = {"w": torch.zeros(100), "b": torch.zeros(10)}
+    params = [ParamSpec.of(n, t) for n, t in v1.items()]
+    sender = make_sender("sparse_nccl")
+    sender.prepare(list(v1.items()))
+    first = sender.offer(list(v1.values()))
+    assert sender.choice.mode == "full" and first.num_updates_list == (100, 10) and first.delta_base() is None
+    assert sender.choice.bytes_sent == 110 * (4 + 4)
+    sender.decided(1)
+    v2 = {k: t.clone() for k, t in v1.items()}
+    v2["w"][[3, 50]] = 2.0
+    sender.prepare(list(v2.items()))
+    second = sender.offer(list(v2.values()))
+    assert sender.choice.mode == "delta" and second.num_updates_list == (2, 0) and second.delta_base() == 1
+    assert sender.choice.bytes_sent == 2 * 8 and sender.choice.full_bytes == 440
+    plan = PushRound(
+        round_id="round-2-x", version=2, backend="sparse_nccl", members=(Member("a", 1, 1),), params=tuple(params),
+        bucket_bytes=1, timeout_s=1.0, transfer=Transfer("10.0.0.1", 29500, 2), pause_mode="keep", transfer_info=backend.check_transfer_info({"num_updates_list": [2, 0], "base_version": 1}),
+    )
+    info = SparseNCCLWeightTransferUpdateInfo(**backend.update_info(plan.params, plan.transfer_info))
+    assert info.num_updates_list == [2, 0] and info.names == ["w", "b"]
+    init = NCCLWeightTransferInitInfo(**backend.engine_init_info(plan, plan.member("a")))
+    assert (init.rank_offset, init.world_size, init.packed) == (1, 2, False)
+    # An aborted delta: the next publish patches every element again.
+    sender.decided(None)
+    sender.prepare(list(v2.items()))
+    assert sender.choice.mode == "full"
+
+
+def test_sparse_nccl_refuses_what_vllms_sparse_loader_cannot_patch_naming_the_tensor():
+    from rollout.errors import InvalidRequestError
+
+    sender = make_sender("sparse_nccl")
+    with pytest.raises(ValueError, match="sparse_nccl: steps is torch.int64"):
+        sender.prepare([("steps", torch.zeros(3, dtype=torch.int64))])
+    with pytest.raises(ValueError, match="sparse_nccl: w holds NaN values"):
+        sender.prepare([("w", torch.tensor([1.0, float("nan")]))])
+    with pytest.raises(InvalidRequestError, match="SparseNcclDelta"):
+        get_backend("sparse_nccl").check_transfer_info(None)  # every sparse_nccl round is a patch
+
+
+def test_unknown_backends_name_the_delta_forms_too():
+    with pytest.raises(ValueError, match="or, sending deltas, \\('gloo_delta', 'sparse_nccl'\\)"):
+        get_backend("carrier-pigeon")
