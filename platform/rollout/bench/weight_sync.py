@@ -114,6 +114,16 @@ class DirectEngine:
         await self.engine.resume_generation()
 
 
+def _model_facts(model_dir, tensors: dict) -> dict:
+    """What a result says of the weights it moved."""
+    return {
+        "model": str(model_dir),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "tensors": len(tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
+
+
 def _floor(tensors: dict[str, torch.Tensor], receivers_n: int) -> dict[str, Any]:
     address, port = own_address(), free_port()
     receivers = [Receiver.remote(address, port, i + 1, receivers_n + 1) for i in range(receivers_n)]
@@ -268,7 +278,6 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
         build_model(model_dir, size="medium")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     tensors = {n: p.detach() for n, p in model.named_parameters()}
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "bench")
     cfg = cpu_config(model_dir, http={"port": 8766}, deployment={"num_cpus": 0.5})
     points = []
@@ -325,10 +334,7 @@ def run(out_root: Path, rounds: int = ROUNDS) -> dict[str, Any]:
         ray.shutdown()
     return {
         "benchmark": "weight_sync",
-        "model": str(model_dir),
-        "parameters": sum(t.numel() for t in tensors.values()),
-        "tensors": len(tensors),
-        "bytes": nbytes,
+        **_model_facts(model_dir, tensors),
         "bucket_bytes": cfg.sync.bucket_bytes,
         "repeats": rounds,
         "order": "interleaved: a publish and the bare engine rounds (without digests, then with the sender's, the replicas' and both) in turn, the order rotated every round",
@@ -402,7 +408,6 @@ def run_deltas(out_root: Path, rounds: int = ROUNDS, replicas: int = 1) -> dict[
         build_model(model_dir, size="medium")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     os.environ.setdefault("ROLLOUT_SYNC_TOKEN", "bench")
     cfg = cpu_config(model_dir, http={"port": 8767}, deployment={"num_cpus": 0.5, "replicas": replicas}, sync={"backend": "gloo_delta"})
     # The machine's load over the run (other work on it slows every path alike: the rounds
@@ -436,10 +441,7 @@ def run_deltas(out_root: Path, rounds: int = ROUNDS, replicas: int = 1) -> dict[
         )
     return {
         "benchmark": "weight_delta",
-        "model": str(model_dir),
-        "parameters": sum(t.numel() for t in tensors.values()),
-        "tensors": len(tensors),
-        "bytes": nbytes,
+        **_model_facts(model_dir, tensors),
         "replicas": replicas,
         "backend": "gloo_delta",
         "repeats": rounds,
