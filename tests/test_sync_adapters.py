@@ -5,6 +5,7 @@ engines (all or none, catch-up, versions per adapter) without Ray."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -122,6 +123,17 @@ async def started(coordinator, model_dir, replica_id: str, engine=None) -> SyncA
     agent = SyncAgent(engine=engine or LoraEngine(), coordinator=InProcess(coordinator), replica_id=replica_id, ranks=1, model_path=str(model_dir))
     await agent.start()
     return agent
+
+
+@contextlib.asynccontextmanager
+async def replicas(coordinator, model_dir, *replica_ids: str):
+    """Started agents of ``replica_ids``, stopped at the end."""
+    agents = [await started(coordinator, model_dir, rid) for rid in replica_ids]
+    try:
+        yield agents
+    finally:
+        for agent in agents:
+            agent.stop()
 
 
 def served(agent: SyncAgent) -> dict[str, int]:
@@ -296,8 +308,7 @@ async def test_load_inplace_false_on_a_loaded_name_is_refused_as_vllm_refuses_it
     from rollout.sync.protocol import LoadAdapter
 
     coordinator = coordinator_for(model_dir)
-    a, b = await started(coordinator, model_dir, "a"), await started(coordinator, model_dir, "b")
-    try:
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
         outcome = await asyncio.wait_for(coordinator.drive(None, LoadAdapter(request(model_dir, 0), inplace=False)), 10)
         assert outcome.committed and outcome.version == 1 and served(a) == served(b) == {"math": 1}
         with pytest.raises(InvalidRequestError) as e:
@@ -306,9 +317,6 @@ async def test_load_inplace_false_on_a_loaded_name_is_refused_as_vllm_refuses_it
         assert served(a) == {"math": 1}
         outcome = await asyncio.wait_for(coordinator.drive(None, LoadAdapter(request(model_dir, 1), inplace=True)), 10)
         assert outcome.committed and outcome.version == 2 and served(a) == served(b) == {"math": 2}
-    finally:
-        a.stop()
-        b.stop()
 
 
 async def test_an_unload_stops_every_replica_serving_it_the_store_forgets_it_and_a_later_load_continues_its_versions(model_dir):
@@ -316,10 +324,9 @@ async def test_an_unload_stops_every_replica_serving_it_the_store_forgets_it_and
     from rollout.sync.protocol import LoadAdapter, UnloadAdapter
 
     coordinator = coordinator_for(model_dir)
-    a, b = await started(coordinator, model_dir, "a"), await started(coordinator, model_dir, "b")
     seen: list[tuple[str, object]] = []
-    a.adapters.listen(lambda name, adapter: seen.append((name, adapter and adapter.version)))
-    try:
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        a.adapters.listen(lambda name, adapter: seen.append((name, adapter and adapter.version)))
         for seed, name in ((0, "math"), (1, "math"), (2, "code")):
             assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, seed, name=name)), 10)).committed
         math_id = a.adapters.get("math").lora_id
@@ -344,9 +351,6 @@ async def test_an_unload_stops_every_replica_serving_it_the_store_forgets_it_and
         with pytest.raises(InvalidRequestError, match="greater than adapter 'math'"):
             await coordinator.publish_adapter(None, request(model_dir, 4, version=2))
         late.stop()
-    finally:
-        a.stop()
-        b.stop()
 
 
 async def test_an_unload_that_a_replica_does_not_answer_aborts_and_every_replica_keeps_serving_it(model_dir):
@@ -354,12 +358,9 @@ async def test_an_unload_that_a_replica_does_not_answer_aborts_and_every_replica
 
     coordinator = coordinator_for(model_dir)
     coordinator.rounds.sync = coordinator.rounds.sync.model_copy(update={"timeout_s": 0.5})
-    a, b = await started(coordinator, model_dir, "a"), await started(coordinator, model_dir, "b")
-    try:
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
         assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 0)), 10)).committed
         b.stop()  # still a member (it polled within the liveness window) but never reports
         outcome = await asyncio.wait_for(coordinator.drive(None, UnloadAdapter("math")), 10)
         assert not outcome.committed and "b" in outcome.error and outcome.version == 1, outcome
         assert served(a) == {"math": 1} and (await coordinator.status())["adapters"] == {"math": 1}
-    finally:
-        a.stop()
