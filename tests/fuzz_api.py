@@ -37,7 +37,7 @@ from tests.conftest import API_KEY, SYNC_TOKEN, free_port
 # still needs the served model's exact parameters and a started update, which no generated
 # call has: it gets a documented 400 or 409).
 READ_SAFE = r"^/(v1/rollouts(/stream)?|v1/episodes(/.*)?|healthz|v1/sync/.*|update_weights|reset_prefix_cache|is_paused|get_world_size|weight_info|collective_rpc|weight_checker)$"
-MUTATING = r"^/(pause|resume|init_weight_transfer_engine|shutdown_weight_transfer_engine|start_weight_update|finish_weight_update|update_weight_version)$"
+MUTATING = r"^/(pause|resume|init_weight_transfer_engine|shutdown_weight_transfer_engine|start_weight_update|finish_weight_update|update_weight_version|v1/load_lora_adapter|v1/unload_lora_adapter)$"
 HEADERS = [f"Authorization: Bearer {API_KEY}", f"X-Rollout-Sync-Token: {SYNC_TOKEN}"]
 
 

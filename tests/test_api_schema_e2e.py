@@ -22,7 +22,8 @@ pytestmark = pytest.mark.e2e
 
 ROUTES = r"^/(v1/rollouts(/stream)?|v1/episodes(/.*)?|healthz)$"
 RL_ROUTES = ("pause", "resume", "is_paused", "reset_prefix_cache", "get_world_size", "init_weight_transfer_engine", "shutdown_weight_transfer_engine",
-             "start_weight_update", "update_weights", "finish_weight_update", "weight_info", "update_weight_version", "collective_rpc", "weight_checker")
+             "start_weight_update", "update_weights", "finish_weight_update", "weight_info", "update_weight_version", "collective_rpc", "weight_checker",
+             "v1/load_lora_adapter", "v1/unload_lora_adapter")
 SYNC_ROUTES = rf"^/(v1/sync/.+|{'|'.join(RL_ROUTES)})$"
 # Valid calls to these change nothing (the last two are refused for everyone).
 READ_ONLY = {"/v1/sync/status", "/is_paused", "/get_world_size", "/weight_info", "/collective_rpc", "/weight_checker"}
@@ -52,7 +53,7 @@ def test_sync_routes_refuse_every_invalid_call_as_documented_and_change_nothing(
 
 
 def state(base_url: str) -> dict:
-    """What a sync call could change: the committed version, the replicas' versions, the pause."""
+    """What a sync call could change: the committed version, the replicas' versions, the pause, the adapters."""
     with httpx.Client(base_url=base_url, headers=HEADERS, timeout=30) as c:
         status = c.get("/v1/sync/status").json()
         return {
@@ -60,6 +61,7 @@ def state(base_url: str) -> dict:
             "replicas": sorted(r["version"] for r in status["replicas"].values()),
             "paused": c.get("/is_paused").json()["is_paused"],
             "served": c.get("/weight_info").json()["weight_version"],
+            "adapters": status["adapters"],
         }
 
 

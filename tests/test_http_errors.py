@@ -92,7 +92,7 @@ def test_a_stream_that_breaks_after_it_started_is_not_turned_into_a_short_succes
 # ---- the one table (rollout.wire_errors): the ingress answers from it, clients read it back
 
 def platform_errors():
-    from rollout.errors import AuthenticationError, EpisodeLostError, ForbiddenError, NotServingError, ReplicaLostError
+    from rollout.errors import AdapterNotFoundError, AuthenticationError, EpisodeLostError, ForbiddenError, NotServingError, ReplicaLostError
     from rollout.sync.protocol import CoordinatorUnreachableError, NoCommittedCopyError, SyncError
 
     # (raised by a route, status, error.type, what a client raises back)
@@ -101,6 +101,7 @@ def platform_errors():
         (AuthenticationError("wrong API key"), 401, "authentication_error", AuthenticationError),
         (ForbiddenError("/collective_rpc is not served here"), 403, "forbidden", ForbiddenError),
         (EpisodeLostError("episode r1.x is not on this replica"), 404, "episode_lost", EpisodeLostError),
+        (AdapterNotFoundError("The lora adapter 'math' cannot be found."), 404, "adapter_not_found", AdapterNotFoundError),
         (StaleWeightsError("version 3 did not arrive"), 409, "stale_weights", StaleWeightsError),
         (SyncError("round-1 aborted"), 409, "sync_error", SyncError),
         (NoCommittedCopyError("nothing holds version 2"), 409, "sync_error", SyncError),

@@ -9,6 +9,7 @@ the other modules' engines keep starting without it.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -82,17 +83,18 @@ def greedy(ids, session: str, adapter: str | None = "math") -> RolloutRequest:
     return RolloutRequest(prompt_token_ids=ids, session_id=session, adapter=adapter, sampling=SamplingConfig(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
 
 
-async def assert_every_replica_serves(client, want: list[list[int]], replicas: int, adapter_version: int | None, rounds: int = 6) -> None:
-    """Greedy with adapter "math" (None: without) on every replica equals ``want``, and its
-    spans name the adapter version."""
+async def assert_every_replica_serves(client, want: list[list[int]], replicas: int, adapter_version: int | None, rounds: int = 6, name: str = "math") -> None:
+    """Greedy with adapter ``name`` (``adapter_version`` None: without) on every replica
+    equals ``want``, and its spans name the adapter version."""
     seen = set()
+    adapter = name if adapter_version else None
     for k in range(rounds):
         # Separate calls with distinct sessions: the affinity router spreads them over every replica.
-        results = await asyncio.gather(*(client.generate([greedy(p, f"lora-{adapter_version}-{k}-{i}", "math" if adapter_version else None)]) for i, p in enumerate(PROMPTS)))
+        results = await asyncio.gather(*(client.generate([greedy(p, f"lora-{name}-{adapter_version}-{k}-{i}", adapter)]) for i, p in enumerate(PROMPTS)))
         for (r,), expected in zip(results, want):
             sample = r.samples[0]
             assert sample.token_ids == expected, f"replica {r.replica_id}"
-            assert [(s.adapter, s.adapter_version, s.start, s.end) for s in sample.weight_versions] == [("math" if adapter_version else None, adapter_version, 0, TOKENS)]
+            assert [(s.adapter, s.adapter_version, s.start, s.end) for s in sample.weight_versions] == [(adapter, adapter_version, 0, TOKENS)]
             seen.add(r.replica_id)
     assert len(seen) == replicas, f"requests reached only {seen}"
 
@@ -150,3 +152,75 @@ async def test_an_adapter_serves_like_a_fresh_engine_with_it_on_every_replica_an
         publisher.close()
         client.close()
         http_client.close()
+
+
+async def test_a_trainer_written_for_vllm_serve_loads_and_unloads_adapters_with_vllms_lora_routes_on_every_replica(lora_app, adapters, lora_reference, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, as its clients call them
+    (the sync token as the Bearer), over the same app and engines."""
+    import os
+
+    reference = lora_reference
+    cfg = await asyncio.to_thread(lora_app, 2)  # as the test above left it: no engine starts
+    base_url = f"http://127.0.0.1:{cfg.http.port}"
+    client = RolloutClient.connect(app_name=cfg.app_name)
+    trainer = {"Authorization": f"Bearer {SYNC_TOKEN}"}
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+
+            async def load(path: str, **extra) -> httpx.Response:
+                return await http.post("/v1/load_lora_adapter", headers=trainer, json={"lora_name": "routes", "lora_path": path, **extra})
+
+            def refused(r: httpx.Response, status: int, field: str | None) -> str:
+                assert r.status_code == status and r.json()["error"].get("field") == field, r.text
+                return r.json()["error"]["message"]
+
+            # Without the sync token nothing is read or loaded.
+            r = await http.post("/v1/load_lora_adapter", headers={"Authorization": f"Bearer {API_KEY}"}, json={"lora_name": "routes", "lora_path": adapters[0][2]})
+            assert r.status_code == 401, r.text
+
+            # vLLM's answer: 200 and its text; every replica serves the directory's adapter.
+            r = await load(adapters[0][2])
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'routes' added successfully.", r.text
+            assert r.headers["x-rollout-adapter-version"] == "1"
+            await assert_every_replica_serves(client, reference[1], 2, adapter_version=1, rounds=4, name="routes")
+
+            # load_inplace false on a loaded name: vLLM's 400, and nothing changes.
+            message = refused(await load(adapters[1][2]), 400, "lora_name")
+            assert "The lora adapter 'routes' has already been loaded" in message and "load_inplace" in message
+            # load_inplace true: the next version, on every replica.
+            r = await load(adapters[1][2], load_inplace=True)
+            assert r.status_code == 200 and r.headers["x-rollout-adapter-version"] == "2", r.text
+            await assert_every_replica_serves(client, reference[2], 2, adapter_version=2, rounds=4, name="routes")
+
+            # Directories that are not a PEFT adapter's own files: 400 naming lora_path.
+            missing = tmp_path / "missing"
+            missing.mkdir()
+            (missing / "adapter_config.json").write_text(json.dumps(adapters[0][1]))
+            assert "has no adapter_model.safetensors" in refused(await load(str(missing), load_inplace=True), 400, "lora_path")
+            escaping = tmp_path / "escaping"
+            escaping.mkdir()
+            (escaping / "adapter_config.json").write_text(json.dumps(adapters[0][1]))
+            os.symlink(os.path.join(adapters[0][2], "adapter_model.safetensors"), escaping / "adapter_model.safetensors")
+            assert "outside the directory" in refused(await load(str(escaping), load_inplace=True), 400, "lora_path")
+            refused(await load(adapters[0][2], load_inplace=True, is_3d_lora_weight=True), 400, "is_3d_lora_weight")
+
+            # Unload (lora_int_id as vLLM's clients send it, and as vLLM, ignored): every
+            # replica refuses a request naming it, the coordinator forgets it.
+            r = await http.post("/v1/unload_lora_adapter", headers=trainer, json={"lora_name": "routes", "lora_int_id": 2})
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'routes' removed successfully.", r.text
+            key = {"Authorization": f"Bearer {API_KEY}"}
+            answers = await asyncio.gather(*(
+                http.post("/v1/rollouts", headers=key, json={"requests": [greedy(p, f"unloaded-{k}-{i}", "routes").model_dump(mode="json", exclude_none=True)]})
+                for k in range(3) for i, p in enumerate(PROMPTS)
+            ))
+            for answer in answers:
+                assert "not a published LoRA adapter" in refused(answer, 400, "requests[0].adapter")
+            r = await http.post("/v1/completions", headers=key, json={"model": "routes", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 404 and "routes" in r.text, r.text
+            status = (await http.get("/v1/sync/status", headers=key)).json()
+            assert "routes" not in status["adapters"], status
+            # vLLM's 404 for a name it does not serve.
+            r = await http.post("/v1/unload_lora_adapter", headers=trainer, json={"lora_name": "routes"})
+            assert r.status_code == 404 and r.json()["error"]["type"] == "adapter_not_found", r.text
+    finally:
+        client.close()

@@ -5,6 +5,7 @@ engines (all or none, catch-up, versions per adapter) without Ray."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -124,6 +125,17 @@ async def started(coordinator, model_dir, replica_id: str, engine=None) -> SyncA
     return agent
 
 
+@contextlib.asynccontextmanager
+async def replicas(coordinator, model_dir, *replica_ids: str):
+    """Started agents of ``replica_ids``, stopped at the end."""
+    agents = [await started(coordinator, model_dir, rid) for rid in replica_ids]
+    try:
+        yield agents
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
 def served(agent: SyncAgent) -> dict[str, int]:
     return agent.adapters.versions()
 
@@ -230,3 +242,125 @@ def test_model_lora_feeds_the_engine_arguments_and_refuses_a_cpu_cache_smaller_t
     assert (on["enable_lora"], on["max_loras"], on["max_lora_rank"], on["max_cpu_loras"]) == (True, 2, 8, None)
     with pytest.raises(ValidationError, match="max_cpu_loras"):
         LoraConfig(max_loras=4, max_cpu_loras=2)
+
+
+# ---- vLLM's LoRA routes: the directory a trainer names, load_inplace, unload --------------
+
+
+def peft_dir(model_dir, directory, seed=0) -> str:
+    from tests.lora import write_adapter
+
+    tensors, config = demo_adapter(model_dir, seed)
+    return write_adapter(directory, tensors, config)
+
+
+def test_a_peft_directory_is_read_as_a_publish_takes_it_and_anything_else_is_refused_naming_lora_path(model_dir, tmp_path):
+    import os
+
+    from rollout.sync.adapters import CONFIG_FILE, TENSORS_FILE, read_peft_directory
+
+    good = peft_dir(model_dir, tmp_path / "good")
+    config, tensors = read_peft_directory(good, 64 << 20)
+    check_adapter(AdapterRequest("math", config, tensors), checkpoint_spec(str(model_dir)))
+    assert tensors == (tmp_path / "good" / TENSORS_FILE).read_bytes()
+
+    def refusal(path, limit=64 << 20) -> str:
+        with pytest.raises(InvalidRequestError) as e:
+            read_peft_directory(str(path), limit)
+        assert e.value.field == "lora_path"
+        return e.value.message
+
+    assert "absolute path" in refusal("relative/dir")
+    assert "No such file" in refusal(tmp_path / "absent")
+    assert "not a directory" in refusal(tmp_path / "good" / CONFIG_FILE)
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / CONFIG_FILE).write_text("{}")
+    assert f"has no {TENSORS_FILE}" in refusal(missing)
+    (missing / "adapter_model.bin").write_bytes(b"x")
+    assert "safe_serialization=True" in refusal(missing)
+
+    # A link inside the directory is read; one resolving outside it is refused.
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    (inside / "weights").write_bytes((tmp_path / "good" / TENSORS_FILE).read_bytes())
+    (inside / CONFIG_FILE).write_text((tmp_path / "good" / CONFIG_FILE).read_text())
+    os.symlink("weights", inside / TENSORS_FILE)
+    assert read_peft_directory(str(inside), 64 << 20)[1] == tensors
+    escaping = tmp_path / "escaping"
+    escaping.mkdir()
+    (escaping / CONFIG_FILE).write_text("{}")
+    os.symlink(tmp_path / "good" / TENSORS_FILE, escaping / TENSORS_FILE)
+    assert "outside the directory" in refusal(escaping)
+    os.unlink(escaping / TENSORS_FILE)
+    os.mkfifo(escaping / TENSORS_FILE)
+    assert "not a regular file" in refusal(escaping)
+
+    assert "more than the 1024 read here" in refusal(good, limit=1024)
+    bad_json = tmp_path / "bad-json"
+    bad_json.mkdir()
+    (bad_json / CONFIG_FILE).write_text("{not json")
+    (bad_json / TENSORS_FILE).write_bytes(tensors)
+    assert f"{CONFIG_FILE} is not JSON" in refusal(bad_json)
+
+
+async def test_load_inplace_false_on_a_loaded_name_is_refused_as_vllm_refuses_it_and_true_publishes_the_next_version(model_dir):
+    from rollout.sync.protocol import LoadAdapter
+
+    coordinator = coordinator_for(model_dir)
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        outcome = await asyncio.wait_for(coordinator.drive(None, LoadAdapter(request(model_dir, 0), inplace=False)), 10)
+        assert outcome.committed and outcome.version == 1 and served(a) == served(b) == {"math": 1}
+        with pytest.raises(InvalidRequestError) as e:
+            await coordinator.drive(None, LoadAdapter(request(model_dir, 1), inplace=False))
+        assert e.value.field == "name" and "The lora adapter 'math' has already been loaded" in e.value.message and "load_inplace" in e.value.message
+        assert served(a) == {"math": 1}
+        outcome = await asyncio.wait_for(coordinator.drive(None, LoadAdapter(request(model_dir, 1), inplace=True)), 10)
+        assert outcome.committed and outcome.version == 2 and served(a) == served(b) == {"math": 2}
+
+
+async def test_an_unload_stops_every_replica_serving_it_the_store_forgets_it_and_a_later_load_continues_its_versions(model_dir):
+    from rollout.errors import AdapterNotFoundError
+    from rollout.sync.protocol import LoadAdapter, UnloadAdapter
+
+    coordinator = coordinator_for(model_dir)
+    seen: list[tuple[str, object]] = []
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        a.adapters.listen(lambda name, adapter: seen.append((name, adapter and adapter.version)))
+        for seed, name in ((0, "math"), (1, "math"), (2, "code")):
+            assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, seed, name=name)), 10)).committed
+        math_id = a.adapters.get("math").lora_id
+        outcome = await asyncio.wait_for(coordinator.drive(None, UnloadAdapter("math")), 10)
+        assert outcome.committed and outcome.version == 0, outcome
+        assert served(a) == served(b) == {"code": 1}, "every replica stopped serving it; the other adapter stays"
+        assert math_id not in a.engine.loaded and ("math", None) == seen[-1]
+        assert (await coordinator.status())["adapters"] == {"code": 1}
+
+        # vLLM's 404 for a name it does not serve.
+        with pytest.raises(AdapterNotFoundError, match="The lora adapter 'math' cannot be found"):
+            await coordinator.drive(None, UnloadAdapter("math"))
+
+        # A replica that starts now does not load it.
+        late = await started(coordinator, model_dir, "late")
+        assert served(late) == {"code": 1}
+
+        # Loaded again, it continues after the version removed: "math@1" and "math@2" name
+        # other weights in the replicas' prefix caches.
+        outcome = await asyncio.wait_for(coordinator.drive(None, LoadAdapter(request(model_dir, 3), inplace=False)), 10)
+        assert outcome.committed and outcome.version == 3 and served(a) == served(b) == served(late) == {"code": 1, "math": 3}
+        with pytest.raises(InvalidRequestError, match="greater than adapter 'math'"):
+            await coordinator.publish_adapter(None, request(model_dir, 4, version=2))
+        late.stop()
+
+
+async def test_an_unload_that_a_replica_does_not_answer_aborts_and_every_replica_keeps_serving_it(model_dir):
+    from rollout.sync.protocol import UnloadAdapter
+
+    coordinator = coordinator_for(model_dir)
+    coordinator.rounds.sync = coordinator.rounds.sync.model_copy(update={"timeout_s": 0.5})
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 0)), 10)).committed
+        b.stop()  # still a member (it polled within the liveness window) but never reports
+        outcome = await asyncio.wait_for(coordinator.drive(None, UnloadAdapter("math")), 10)
+        assert not outcome.committed and "b" in outcome.error and outcome.version == 1, outcome
+        assert served(a) == {"math": 1} and (await coordinator.status())["adapters"] == {"math": 1}

@@ -47,6 +47,11 @@ class EpisodeLostError(RolloutError):
     restarted. Not retryable: start a new episode."""
 
 
+class AdapterNotFoundError(RolloutError):
+    """No LoRA adapter of that name is loaded (vLLM's ``/v1/unload_lora_adapter`` answers
+    404 ``NotFoundError`` for it)."""
+
+
 class EngineUnavailableError(RolloutError):
     """The engine is dead, stuck or shutting down."""
 

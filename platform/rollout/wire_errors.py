@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 
 from rollout.api import ErrorResponse
 from rollout.errors import (
+    AdapterNotFoundError,
     AuthenticationError,
     EngineUnavailableError,
     EpisodeLostError,
@@ -57,6 +58,9 @@ FORBIDDEN = WireError(ForbiddenError, 403, "forbidden", "Not served here: it wou
 EPISODE_LOST = WireError(
     EpisodeLostError, 404, "episode_lost", "The episode is not on the replica its id names: it ended, expired or its replica restarted (`episode_lost`).", False, by_status=False
 )
+ADAPTER_NOT_FOUND = WireError(
+    AdapterNotFoundError, 404, "adapter_not_found", "No LoRA adapter of that name is loaded (as vLLM's `/v1/unload_lora_adapter` answers).", False, by_status=False
+)
 STALE_WEIGHTS = WireError(
     StaleWeightsError,
     409,
@@ -74,7 +78,7 @@ OVERLOADED = WireError(OverloadedError, 429, "overloaded", "Overloaded: the queu
 INTERNAL = WireError(RolloutError, 500, "internal_error", "A fault of the platform's own, logged with its traceback.", False, raised=False, by_status=False)
 UNAVAILABLE = WireError(EngineUnavailableError, 503, "engine_unavailable", "No engine can serve it now (retryable).", True)
 
-TABLE: tuple[WireError, ...] = (INVALID, UNAUTHENTICATED, FORBIDDEN, EPISODE_LOST, STALE_WEIGHTS, SYNC_FAILED, TOO_LARGE, OVERLOADED, INTERNAL, UNAVAILABLE)
+TABLE: tuple[WireError, ...] = (INVALID, UNAUTHENTICATED, FORBIDDEN, EPISODE_LOST, ADAPTER_NOT_FOUND, STALE_WEIGHTS, SYNC_FAILED, TOO_LARGE, OVERLOADED, INTERNAL, UNAVAILABLE)
 
 _RAISED = {row.error: row for row in TABLE if row.raised}
 _BY_TYPE = {(row.status, row.type): row for row in TABLE}

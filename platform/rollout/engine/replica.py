@@ -98,7 +98,13 @@ class RolloutEngine:
             # OpenAI requests name a published adapter by `model`: vLLM's own map of names
             # to adapters follows every commit (the response's `model` is "<name>@<version>").
             models = self.openai_app.state.openai_serving_models
-            self.gate.sync.adapters.listen(lambda served: models.lora_requests.__setitem__(served.name, served.lora_request()))
+            def follow(name: str, served: Optional[ServedAdapter]) -> None:
+                if served is None:
+                    models.lora_requests.pop(name, None)  # unloaded: vLLM's own 404 naming it
+                else:
+                    models.lora_requests[name] = served.lora_request()
+
+            self.gate.sync.adapters.listen(follow)
         self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges()) if metrics is not None else None
         logger.info("replica %s ready: %s, limits %s", replica_id, cfg.model.path, adapter.limits)
 

@@ -1,8 +1,11 @@
 """vLLM's RL control routes (``vllm serve``'s RL mode), coordinated over every replica.
 
 Same paths, parameters and payloads as ``vllm/entrypoints/rl/online/api_router.py``
-(plus ``/reset_prefix_cache`` from its dev routes); behind them the coordinator turns
-one trainer's calls into rounds over every replica (see ``rollout/sync/sessions.py``).
+(plus ``/reset_prefix_cache`` from its dev routes, and ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` from ``vllm/entrypoints/serve/lora/api_router.py``); behind
+them the coordinator turns one trainer's calls into rounds over every replica (see
+``rollout/sync/sessions.py``; an adapter is an ``AdapterRound``, its unload an
+``AdapterRemovalRound``).
 
 They change every replica's weights, so they take the sync token: ``X-Rollout-Sync-Token``
 or ``Authorization: Bearer <token>`` (a trainer's only header with vLLM's own clients).
@@ -13,18 +16,22 @@ are refused.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Optional
 
 from fastapi import Body, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout import wire_errors as wire
 from rollout.api import NonNegativeInt
+from rollout.config import PlatformConfig
 from rollout.errors import ForbiddenError, InvalidRequestError
 from rollout.http.routes_app import REFUSED_ERRORS, SYNC_ERRORS, admit, app
+from rollout.sync.adapters import CONFIG_FILE, NAME, TENSORS_FILE, read_peft_directory
 from rollout.sync.auth import Operation
 from rollout.sync.coordinator_client import CoordinatorHandle
-from rollout.sync.protocol import FinishUpdate, FleetQuery, OpenSession, Pause, PauseMode, RouteCommand, SyncError, Update
+from rollout.sync.protocol import AdapterRequest, FinishUpdate, FleetQuery, LoadAdapter, OpenSession, Pause, PauseMode, RouteCommand, RoundOutcome, SyncError, UnloadAdapter, Update
 from rollout.sync.sessions import parse_update_info
 
 REFUSED = (
@@ -61,10 +68,54 @@ class UpdateInfo(BaseModel):
         return self
 
 
+# vLLM's unload answers 404 for a name it does not serve, besides the rest.
+UNLOAD_ERRORS = {**SYNC_ERRORS, **wire.responses(wire.ADAPTER_NOT_FOUND)}
+ADAPTER_VERSION_HEADER = "X-Rollout-Adapter-Version"  # the version a load committed (vLLM's answer is text alone)
+AdapterName = Annotated[str, Field(pattern=NAME.pattern, description="The adapter's name: what requests name (`adapter`, OpenAI `model`).")]
+
+
+class LoadLoraAdapter(BaseModel):
+    """vLLM's ``LoadLoRAAdapterRequest`` (``vllm/entrypoints/serve/lora/protocol.py``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: AdapterName
+    lora_path: str = Field(min_length=1, description="Absolute path of a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`) on a volume the platform's ingress reads.")
+    load_inplace: bool = Field(False, description="`false`: refused (400) while `lora_name` is loaded, as vLLM refuses it; `true`: published as the adapter's next version.")
+    is_3d_lora_weight: bool = Field(False, json_schema_extra={"enum": [False]}, description="Only `false`: 3D (fused-MoE) LoRA weights are not supported here.")
+
+
+class UnloadLoraAdapter(BaseModel):
+    """vLLM's ``UnloadLoRAAdapterRequest``: vLLM unloads by ``lora_name`` and ignores
+    ``lora_int_id`` (its clients send it); so does this route."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: AdapterName
+    lora_int_id: Optional[int] = Field(None, description="Accepted and ignored, as vLLM does: the name says which adapter.")
+
+
+def _as_route_field(e: InvalidRequestError) -> InvalidRequestError:
+    """A refusal of the adapter the route read, naming the route's own field: the name
+    is ``lora_name``; the config and the tensors are files of ``lora_path``."""
+    if e.field == "name":
+        return InvalidRequestError("lora_name", e.message)
+    if e.field.startswith("config"):
+        return InvalidRequestError("lora_path", f"{CONFIG_FILE}: {e}")
+    if e.field.startswith("tensors"):
+        return InvalidRequestError("lora_path", f"{TENSORS_FILE}: {e}")
+    return e
+
+
+def _committed(outcome: RoundOutcome, what: str) -> RoundOutcome:
+    if not outcome.committed:
+        raise SyncError(f"{what}: {outcome.round_id} aborted: {outcome.error}; every replica keeps what it served")
+    return outcome
+
+
 class VllmRlRoutes:
-    """Mixed into the ingress (``self.coordinator``, ``app.state.auth``)."""
+    """Mixed into the ingress (``self.coordinator``, ``self.config``, ``app.state.auth``)."""
 
     coordinator: Optional[CoordinatorHandle]
+    config: PlatformConfig
 
     async def _drive(self, request: Request, command: RouteCommand) -> Any:
         """``command`` over every replica, on behalf of the trainer whose credential the
@@ -148,6 +199,30 @@ class VllmRlRoutes:
                 f"the weights; pass weight_version={new_version!r} to /finish_weight_update (committed: {committed})"
             )
         return {"success": True, "new_version": new_version}
+
+    # ---- vLLM's LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING), over every replica --------
+
+    @app.post("/v1/load_lora_adapter", responses=SYNC_ERRORS, response_class=PlainTextResponse)
+    async def rl_load_lora_adapter(self, request: Request, body: LoadLoraAdapter) -> PlainTextResponse:
+        """Publishes the PEFT directory at `lora_path` as the next version of adapter `lora_name` on every replica, all or none; returns once every replica serves it (vLLM's text answer; the version in `X-Rollout-Adapter-Version`)."""
+        if body.is_3d_lora_weight:
+            raise InvalidRequestError("is_3d_lora_weight", "3D (fused-MoE) LoRA weights are not supported here; PEFT's per-module lora_A/lora_B tensors are")
+        # The coordinator admits the caller before the ingress reads a path the caller names
+        # (the ingress holds no sync token to check it against).
+        await self._drive(request, FleetQuery.AUTHORIZE)
+        config, tensors = await asyncio.to_thread(read_peft_directory, body.lora_path, self.config.http.max_body_bytes, "lora_path")
+        command = LoadAdapter(AdapterRequest(name=body.lora_name, config=config, tensors=tensors), inplace=body.load_inplace)
+        try:
+            outcome = _committed(await self._drive(request, command), f"loading {body.lora_name!r}")
+        except InvalidRequestError as e:
+            raise _as_route_field(e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.", headers={ADAPTER_VERSION_HEADER: str(outcome.version)})
+
+    @app.post("/v1/unload_lora_adapter", responses=UNLOAD_ERRORS, response_class=PlainTextResponse)
+    async def rl_unload_lora_adapter(self, request: Request, body: UnloadLoraAdapter) -> PlainTextResponse:
+        """Every replica stops serving adapter `lora_name` (requests naming it are refused) and replicas that start later no longer load it; 404 for a name not loaded, as vLLM answers."""
+        _committed(await self._drive(request, UnloadAdapter(body.lora_name)), f"unloading {body.lora_name!r}")
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/collective_rpc", responses=REFUSED_ERRORS)
     async def rl_collective_rpc(self) -> JSONResponse:

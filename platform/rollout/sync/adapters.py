@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -183,6 +184,61 @@ def adapter_of(request: AdapterRequest, version: int) -> Adapter:
     return Adapter(name=request.name, version=version, config=config_json(request.config), tensors=bytes(request.tensors), digest=hashlib.sha256(request.tensors).hexdigest())
 
 
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes; anything near this is not one
+
+
+def read_peft_directory(path: str, max_tensor_bytes: int, field: str = "lora_path") -> tuple[dict[str, Any], bytes]:
+    """PEFT's two files in directory ``path`` (what ``save_pretrained`` writes), as a
+    publish takes them: ``adapter_config.json`` parsed, ``adapter_model.safetensors``'s
+    bytes. Only those two are read, each a regular file inside the directory (a link
+    resolving outside it is refused: the path comes from the network), of at most
+    ``MAX_CONFIG_BYTES`` and ``max_tensor_bytes``. :class:`InvalidRequestError` on
+    ``field`` naming the file for anything else; the contents are checked by
+    :func:`check_adapter`."""
+    if not os.path.isabs(path):
+        raise InvalidRequestError(field, f"{path!r}: the absolute path of a PEFT adapter directory ({CONFIG_FILE}, {TENSORS_FILE}) where the platform's ingress runs")
+    try:
+        root = os.path.realpath(path, strict=True)
+    except OSError as e:
+        raise InvalidRequestError(field, f"{path}: {e.strerror or e}") from None
+    if not os.path.isdir(root):
+        raise InvalidRequestError(field, f"{path} is not a directory: name the PEFT adapter directory ({CONFIG_FILE}, {TENSORS_FILE})")
+    raw_config = _read_inside(root, path, CONFIG_FILE, MAX_CONFIG_BYTES, field)
+    tensors = _read_inside(root, path, TENSORS_FILE, max_tensor_bytes, field)
+    try:
+        config = json.loads(raw_config)
+    except ValueError as e:
+        raise InvalidRequestError(field, f"{path}/{CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise InvalidRequestError(field, f"{path}/{CONFIG_FILE} holds a {type(config).__name__}, not PEFT's config object")
+    return config, tensors
+
+
+def _read_inside(root: str, shown: str, name: str, limit: int, field: str) -> bytes:
+    real = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([root, real]) != root:
+        raise InvalidRequestError(field, f"{shown}/{name} links to {real}, outside the directory: only files inside it are read")
+    try:
+        # O_NONBLOCK: a FIFO planted under the name fails the S_ISREG check below instead of
+        # hanging the open; O_NOFOLLOW: what realpath resolved cannot become a link meanwhile.
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        hint = " (only the safetensors file is read: save with safe_serialization=True)" if name == TENSORS_FILE and os.path.exists(os.path.join(root, "adapter_model.bin")) else ""
+        raise InvalidRequestError(field, f"{shown} has no {name}: a PEFT adapter directory holds {CONFIG_FILE} and {TENSORS_FILE}{hint}") from None
+    except OSError as e:
+        raise InvalidRequestError(field, f"{shown}/{name}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidRequestError(field, f"{shown}/{name} is not a regular file")
+        if info.st_size > limit:
+            raise InvalidRequestError(field, f"{shown}/{name} has {info.st_size} bytes, more than the {limit} read here")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise InvalidRequestError(field, f"{shown}/{name} grew past the {limit} bytes read here while it was read")
+    return data
+
+
 def encode_tensors(tensors: Mapping[str, "torch.Tensor"]) -> bytes:
     """PEFT's ``adapter_model.safetensors`` of ``tensors`` (host copies, contiguous)."""
     from safetensors.torch import save
@@ -222,14 +278,15 @@ class ServedAdapters:
         self.served: dict[str, ServedAdapter] = {}
         # The version each name served before its newest: kept on disk (see the module doc).
         self._previous: dict[str, ServedAdapter] = {}
-        self._listeners: list[Callable[[ServedAdapter], None]] = []
+        self._listeners: list[Callable[[str, Optional[ServedAdapter]], None]] = []
 
-    def listen(self, served: Callable[[ServedAdapter], None]) -> None:
-        """Call ``served`` with each adapter served now and each one a commit serves later
-        (the replica's OpenAI app keeps vLLM's name -> adapter map with it)."""
+    def listen(self, served: Callable[[str, Optional[ServedAdapter]], None]) -> None:
+        """Call ``served(name, adapter)`` with each adapter served now and each one a commit
+        serves later, and ``served(name, None)`` when an unload removes ``name`` (the
+        replica's OpenAI app keeps vLLM's name -> adapter map with it)."""
         self._listeners.append(served)
         for adapter in self.served.values():
-            served(adapter)
+            served(adapter.name, adapter)
 
     def get(self, name: str) -> Optional[ServedAdapter]:
         return self.served.get(name)
@@ -267,16 +324,30 @@ class ServedAdapters:
         before = self.served.get(staged.name)
         self.served[staged.name] = staged
         for listener in self._listeners:
-            listener(staged)
+            listener(staged.name, staged)
         if before is not None:
-            older = self._previous.pop(staged.name, None)
-            if older is not None:
-                shutil.rmtree(older.path, ignore_errors=True)
-            self._previous[staged.name] = before
-            try:
-                await self.engine.remove_lora(before.lora_id)
-            except Exception as e:  # it stays loaded until vLLM evicts it: no harm to what is served
-                logger.warning("replica %s: unloading %s version %d: %s", self.replica_id, before.name, before.version, e)
+            await self._retire(before)
+
+    async def remove(self, name: str) -> None:
+        """An unload committed: requests naming ``name`` are refused from now on; the
+        version it served leaves the engine (its files stay for requests still running on it)."""
+        before = self.served.pop(name, None)
+        for listener in self._listeners:
+            listener(name, None)
+        if before is not None:
+            await self._retire(before)
+
+    async def _retire(self, before: ServedAdapter) -> None:
+        """``before`` is no longer served: out of the engine, its files kept (see the module
+        doc) in place of the version before it."""
+        older = self._previous.pop(before.name, None)
+        if older is not None:
+            shutil.rmtree(older.path, ignore_errors=True)
+        self._previous[before.name] = before
+        try:
+            await self.engine.remove_lora(before.lora_id)
+        except Exception as e:  # it stays loaded until vLLM evicts it: no harm to what is served
+            logger.warning("replica %s: unloading %s version %d: %s", self.replica_id, before.name, before.version, e)
 
     async def discard(self, staged: ServedAdapter) -> None:
         """The round did not commit: ``staged`` leaves the engine and the disk."""

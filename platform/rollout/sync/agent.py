@@ -45,6 +45,7 @@ from rollout.sync.clock import PhaseClock
 from rollout.sync.coordinator_client import CoordinatorHandle
 from rollout.sync.protocol import (
     RESTORE_ROUNDS,
+    AdapterRemovalRound,
     AdapterRound,
     Control,
     DeltaBaseError,
@@ -328,6 +329,8 @@ class SyncAgent:
                 await self._join_session(plan)
             elif isinstance(plan, AdapterRound):
                 await self._run_adapter_round(plan)
+            elif isinstance(plan, AdapterRemovalRound):
+                await self._run_adapter_removal(plan)
             else:
                 await self._run_round(plan)
 
@@ -434,6 +437,18 @@ class SyncAgent:
         if staged is not None:
             async with clock("serve"):
                 await (self.adapters.commit(staged) if outcome.committed else self.adapters.discard(staged))
+        logger.info("replica %s: %s %s; took %s", self.replica_id, plan.round_id, "committed" if outcome.committed else "aborted", clock)
+        await self.coordinator.applied(plan.round_id, self.replica_id, self.version, clock.phases)
+
+    async def _run_adapter_removal(self, plan: AdapterRemovalRound) -> None:
+        """An unload: report (nothing to prepare), and stop serving the adapter only on a
+        commit, so it leaves every replica or none. Nothing pauses."""
+        clock = PhaseClock()
+        async with clock("decision"):
+            outcome = await self._report(plan, None)
+        if outcome.committed:
+            async with clock("serve"):
+                await self.adapters.remove(plan.name)
         logger.info("replica %s: %s %s; took %s", self.replica_id, plan.round_id, "committed" if outcome.committed else "aborted", clock)
         await self.coordinator.applied(plan.round_id, self.replica_id, self.version, clock.phases)
 

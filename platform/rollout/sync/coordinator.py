@@ -26,7 +26,7 @@ from rollout.config import PlatformConfig
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
 from rollout.sync.membership import Membership
-from rollout.sync.protocol import REREGISTER, Adapter, AdapterRequest, AdapterRound, Control, FinishUpdate, FleetQuery, OpenSession, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
+from rollout.sync.protocol import REREGISTER, Adapter, AdapterRemovalRound, AdapterRequest, AdapterRound, Control, FinishUpdate, FleetQuery, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.sync.rounds import Rounds
 from rollout.sync.sessions import RouteSessions
 from rollout.sync.store import CommittedWeights
@@ -124,18 +124,25 @@ class WeightSyncCoordinator:
         once every member serves it. Bad config or tensors: ``InvalidRequestError`` naming
         the field or the tensor, before any replica changes."""
         await self._authorize(token)
-        lora = self.config.model.lora
-        if not lora.enabled:
+        return await self._publish_adapter(request, inplace=True)
+
+    def _check_lora(self) -> None:
+        if not self.config.model.lora.enabled:
             raise SyncError("LoRA adapters are off: the engines start with vLLM's LoRA support only with model.lora.enabled: true")
-        return await self.rounds.adapter(request, max_rank=lora.max_lora_rank, served_name=self.config.model.name)
+
+    async def _publish_adapter(self, request: AdapterRequest, inplace: bool) -> RoundOutcome:
+        self._check_lora()
+        lora = self.config.model.lora
+        return await self.rounds.adapter(request, max_rank=lora.max_lora_rank, served_name=self.config.model.name, inplace=inplace)
 
     async def adapters(self, replica_id: str) -> list[Adapter]:
         """Every committed adapter, for a replica to load before its first request (catch-up).
-        Asked while an adapter round is undecided, it answers after the decision: a replica
-        that registered too late to be a member still gets what that round commits."""
+        Asked while an adapter round (or an unload) is undecided, it answers after the
+        decision: a replica that registered too late to be a member still gets what that
+        round commits (and never an adapter it removed)."""
         self.membership.seen(replica_id)
         rnd = self.rounds.current
-        if rnd is not None and isinstance(rnd.plan, AdapterRound) and replica_id not in rnd.member_ids:
+        if rnd is not None and isinstance(rnd.plan, (AdapterRound, AdapterRemovalRound)) and replica_id not in rnd.member_ids:
             await rnd.decided.wait()
         return list(self.store.adapters.values())
 
@@ -224,6 +231,13 @@ class WeightSyncCoordinator:
                 await self.sessions.update(update_info)
             case FinishUpdate(weight_version=weight_version):
                 return await self.sessions.finish_update(weight_version)
+            case FleetQuery.AUTHORIZE:
+                pass  # the credential was the question
+            case LoadAdapter(request=request, inplace=inplace):
+                return await self._publish_adapter(request, inplace)
+            case UnloadAdapter(name=name):
+                self._check_lora()
+                return await self.rounds.remove_adapter(name)
             case _:
                 raise SyncError(f"command: {type(command).__name__} is not one of vLLM's RL routes")
         return None

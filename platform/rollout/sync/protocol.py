@@ -344,7 +344,24 @@ class AdapterRound(_RoundBase):
             raise ValueError(f"{self.round_id}: the round commits version {self.version}, its adapter is version {self.adapter.version}")
 
 
-Round = Union[PushRound, PullRound, ReloadRound, StorageRound, SessionRound, AdapterRound]
+@dataclass(frozen=True, kw_only=True)
+class AdapterRemovalRound(_RoundBase):
+    """The removal of a LoRA adapter (vLLM's ``/v1/unload_lora_adapter``): every member
+    reports it can drop it; on a commit each one stops serving ``name`` (requests naming it
+    are refused from then on) and the coordinator forgets it, so replicas that start later
+    do not load it; on an abort every member keeps serving it. ``version`` is the version
+    removed: a later publish of the name continues after it (never reusing a version's
+    vLLM LoRA name, which keys its prefix cache)."""
+
+    kind: Literal["adapter-removal"] = field(default="adapter-removal", init=False)
+    name: str
+
+    @property
+    def pause_mode(self) -> PauseMode:
+        return "keep"  # nothing pauses: requests on other adapters (or none) go on
+
+
+Round = Union[PushRound, PullRound, ReloadRound, StorageRound, SessionRound, AdapterRound, AdapterRemovalRound]
 RESTORE_ROUNDS = (PullRound, ReloadRound)  # bring one member back to the committed version
 
 
@@ -395,6 +412,9 @@ class FleetQuery(enum.Enum):
     WORLD_SIZE = "world_size"
     SHUTDOWN_SESSION = "shutdown_weight_transfer_engine"
     START_UPDATE = "start_weight_update"
+    # The credential alone (answer None): a route that reads a path the caller names reads
+    # it only once the coordinator admitted the caller (the ingress holds no sync token).
+    AUTHORIZE = "authorize"
 
 
 @dataclass(frozen=True)
@@ -428,7 +448,26 @@ class FinishUpdate:
     weight_version: Optional[str] = None
 
 
-RouteCommand = Union[FleetQuery, Pause, OpenSession, Update, FinishUpdate]
+@dataclass(frozen=True)
+class LoadAdapter:
+    """``/v1/load_lora_adapter``: ``request`` (read from the trainer's PEFT directory) as
+    the adapter's next version on every replica, all or none (an :class:`AdapterRound`).
+    ``inplace`` False (vLLM's ``load_inplace``): refused while the name is loaded.
+    Answer: the round's :class:`RoundOutcome` (``version``: the adapter's committed one)."""
+
+    request: AdapterRequest
+    inplace: bool = False
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """``/v1/unload_lora_adapter``: every replica stops serving adapter ``name`` and the
+    coordinator forgets it (an :class:`AdapterRemovalRound`). Answer: its :class:`RoundOutcome`."""
+
+    name: str
+
+
+RouteCommand = Union[FleetQuery, Pause, OpenSession, Update, FinishUpdate, LoadAdapter, UnloadAdapter]
 
 
 @dataclass

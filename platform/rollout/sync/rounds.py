@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 
-from rollout.errors import InvalidRequestError
+from rollout.errors import AdapterNotFoundError, InvalidRequestError
 from rollout.sync import digest as digests_
 from rollout.sync.backends import get_backend
 from rollout.sync.backends.base import delta_base_of
@@ -29,6 +29,7 @@ from rollout.sync.membership import Membership
 from rollout.sync.adapters import adapter_of, check_adapter
 from rollout.sync.protocol import (
     RESTORE_ROUNDS,
+    AdapterRemovalRound,
     AdapterRequest,
     AdapterRound,
     CopyGroup,
@@ -248,7 +249,7 @@ class Rounds:
             self._kept = None
         if isinstance(plan, PushRound) and copy_rank is not None:
             self.copy_receives(rnd)
-        elif isinstance(plan, (ReloadRound, AdapterRound)):
+        elif isinstance(plan, (ReloadRound, AdapterRound, AdapterRemovalRound)):
             rnd.sender_done = True  # nothing is sent (an adapter's bytes are in the plan): the members' reports decide
         elif isinstance(plan, PullRound):
             loop.create_task(self._send_from_copy(rnd))
@@ -356,27 +357,49 @@ class Rounds:
         logger.info("opened %s: version %d to %d replicas from %s", plan.round_id, plan.version, len(plan.members), plan.checkpoint)
         return plan
 
-    async def adapter(self, request: AdapterRequest, *, max_rank: Optional[int] = None, served_name: str = "") -> RoundOutcome:
+    async def adapter(self, request: AdapterRequest, *, max_rank: Optional[int] = None, served_name: str = "", inplace: bool = True) -> RoundOutcome:
         """Publish a LoRA adapter: check it (:func:`~rollout.sync.adapters.check_adapter`,
         against the served model's parameters where a replica registered them), open its
         round, and return the decision once every member serves it (or the round aborted:
         every replica keeps the adapter's version before). With no live replica it commits
-        into the store alone, and replicas that start later load it."""
+        into the store alone, and replicas that start later load it. ``inplace`` False
+        (vLLM's ``load_inplace``): refused, naming ``name``, while the name is loaded."""
         check_adapter(request, self.membership.params, max_rank=max_rank, served_name=served_name)
-        self._check_adapter_version(request)
+        self._check_adapter_version(request, inplace)
         async with self.opening():
-            self._check_adapter_version(request)  # again: a round may have committed while this one waited
-            version = self.store.adapter_version(request.name) + 1 if request.version is None else request.version
+            self._check_adapter_version(request, inplace)  # again: a round may have committed while this one waited
+            version = self.store.last_adapter_version(request.name) + 1 if request.version is None else request.version
             members, _ = assign_ranks(self.live())
             plan = AdapterRound(**self.fields("adapter", version, members, params=()), adapter=adapter_of(request, version))
             self.open(plan)
         logger.info("opened %s: adapter %s version %d (%d bytes) to %d replicas", plan.round_id, request.name, version, len(request.tensors), len(plan.members))
         return await self.finish(plan.round_id)
 
-    def _check_adapter_version(self, request: AdapterRequest) -> None:
-        committed = self.store.adapter_version(request.name)
-        if request.version is not None and request.version <= committed:
-            raise InvalidRequestError("version", f"{request.version} must be greater than adapter {request.name!r}'s committed version {committed}")
+    def _check_adapter_version(self, request: AdapterRequest, inplace: bool = True) -> None:
+        if not inplace and self.store.adapter_version(request.name):
+            # vLLM's own answer to load_inplace=false on a loaded name.
+            raise InvalidRequestError(
+                "name", f"The lora adapter '{request.name}' has already been loaded. If you want to load the adapter in place, set 'load_inplace' to True."
+            )
+        last = self.store.last_adapter_version(request.name)
+        if request.version is not None and request.version <= last:
+            raise InvalidRequestError("version", f"{request.version} must be greater than adapter {request.name!r}'s committed version {last}")
+
+    async def remove_adapter(self, name: str) -> RoundOutcome:
+        """Unload LoRA adapter ``name`` from every live replica and the store: its round
+        commits once every member reported, and the decision returns once every member
+        stopped serving it (an abort leaves it served everywhere and committed).
+        :class:`AdapterNotFoundError` when no version of ``name`` is committed."""
+        async with self.opening():
+            version = self.store.adapter_version(name)
+            if not version:
+                # vLLM's own answer (a 404) to unloading a name it does not serve.
+                raise AdapterNotFoundError(f"The lora adapter '{name}' cannot be found.")
+            members, _ = assign_ranks(self.live())
+            plan = AdapterRemovalRound(**self.fields("unload", version, members, params=()), name=name)
+            self.open(plan)
+        logger.info("opened %s: removing adapter %s (version %d) from %d replicas", plan.round_id, name, version, len(members))
+        return await self.finish(plan.round_id)
 
     async def restore(self, replica_id: str) -> Union[PullRound, ReloadRound]:
         """Open a round that brings one replica to the committed weights, from whichever
@@ -498,7 +521,7 @@ class Rounds:
         restore = isinstance(plan, RESTORE_ROUNDS)
         if self.metrics is not None:
             nbytes = sum(p.nbytes for p in plan.params)
-            kind = "restore" if restore else "adapter" if isinstance(plan, AdapterRound) else "publish"
+            kind = "restore" if restore else "adapter" if isinstance(plan, (AdapterRound, AdapterRemovalRound)) else "publish"
             self.metrics.round(kind, committed, time.monotonic() - rnd.opened_at, nbytes, reason)
         self.store.decided(plan, committed, rnd.version)
         received = {rid: digests_.combine(d) for rid, d in rnd.received.items()}

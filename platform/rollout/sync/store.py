@@ -15,8 +15,8 @@ the committed version:
 
 It also keeps every committed LoRA adapter (:class:`~rollout.sync.protocol.Adapter`, name ->
 its newest committed version, bytes included: a few MB each), which a replica that starts
-later loads before its first request. Adapters have versions of their own: an adapter
-round leaves the base version as it is.
+later loads before its first request, until an unload removes it. Adapters have versions
+of their own: an adapter round leaves the base version as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import get_backend
 from rollout.sync.net import PortRange
-from rollout.sync.protocol import RESTORE_ROUNDS, Adapter, AdapterRound, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
+from rollout.sync.protocol import RESTORE_ROUNDS, Adapter, AdapterRemovalRound, AdapterRound, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +78,27 @@ class CommittedWeights:
         # name -> the committed version of each published adapter. Like the base version, a
         # restarted coordinator holds none until the next publish of each.
         self.adapters: dict[str, Adapter] = {}
+        # name -> the version an unload removed: a later publish of the name continues after
+        # it, since each version's vLLM LoRA name ("math@2") keys the replicas' prefix caches.
+        self._removed: dict[str, int] = {}
 
     def adapter_version(self, name: str) -> int:
         """The committed version of adapter ``name`` (0: none committed)."""
         held = self.adapters.get(name)
         return held.version if held is not None else 0
 
+    def last_adapter_version(self, name: str) -> int:
+        """The newest version adapter ``name`` ever had here (committed or removed since)."""
+        return max(self.adapter_version(name), self._removed.get(name, 0))
+
     def committed_version(self, plan: Round) -> int:
         """The committed version after deciding ``plan``, as its outcome names it: an
-        adapter round's adapter's, else the base weights'."""
-        return self.adapter_version(plan.adapter.name) if isinstance(plan, AdapterRound) else self.version
+        adapter round's adapter's (0 once removed), else the base weights'."""
+        if isinstance(plan, AdapterRound):
+            return self.adapter_version(plan.adapter.name)
+        if isinstance(plan, AdapterRemovalRound):
+            return self.adapter_version(plan.name)
+        return self.version
 
     @property
     def keeps_copy(self) -> bool:
@@ -155,6 +166,10 @@ class CommittedWeights:
             if committed:
                 self.adapters[plan.adapter.name] = plan.adapter
             return  # the base weights, and what holds them, are as they were
+        if isinstance(plan, AdapterRemovalRound):
+            if committed and self.adapters.pop(plan.name, None) is not None:
+                self._removed[plan.name] = plan.version
+            return
         checkpoint = self._offered.pop(plan.round_id, None)
         if committed:
             self.version = version
