@@ -16,7 +16,8 @@ def demo_adapter(model_dir: Path, seed: int, r: int = 8, scale: float = 0.5) -> 
     """Random LoRA tensors for every target module of every layer: large enough that the
     adapter changes greedy output, so a test can tell which adapter version produced it."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
     shapes = {  # module -> (in, out), as the base model's weights are (out, in)
         "self_attn.q_proj": (hidden, cfg["num_attention_heads"] * head_dim),
         "self_attn.v_proj": (hidden, cfg["num_key_value_heads"] * head_dim),

@@ -59,21 +59,26 @@ class BareEngine:
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         return time.perf_counter() - t0
 
-    async def _run(self, requests: list[Any]) -> list[list[int]]:
+    async def _run(self, requests: list[Any], lora: Optional[tuple[str, int, str]] = None) -> list[list[int]]:
+        from vllm.lora.request import LoRARequest
+
         from rollout.engine.convert import to_sampling_params
+
+        adapter = LoRARequest(*lora) if lora else None
 
         async def one(i: int, r: Any) -> list[int]:
             final = None
             params = to_sampling_params(r.sampling, r.n)
-            async for out in self.engine.generate({"prompt_token_ids": r.prompt_token_ids}, params, f"bare-{i}-{time.monotonic_ns()}"):
+            async for out in self.engine.generate({"prompt_token_ids": r.prompt_token_ids}, params, f"bare-{i}-{time.monotonic_ns()}", lora_request=adapter):
                 final = out
             return list(final.outputs[0].token_ids)
 
         return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
 
-    async def generate(self, requests: list[Any]) -> list[list[int]]:
-        """Token ids of each request's first sample, in request order."""
-        return await self._run(requests)
+    async def generate(self, requests: list[Any], lora: Optional[tuple[str, int, str]] = None) -> list[list[int]]:
+        """Token ids of each request's first sample, in request order; ``lora``: vLLM's
+        ``LoRARequest(name, id, path)`` arguments of an adapter to run them with."""
+        return await self._run(requests, lora)
 
     async def timed(self, requests: list[Any]) -> tuple[int, float]:
         """(generated tokens, seconds) for one concurrent round."""

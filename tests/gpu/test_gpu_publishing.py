@@ -3,7 +3,9 @@ on the host into a GPU replica with the fleet digest (every replica's digest of 
 received equals the trainer's of what it sent, and what each side's digest cost), and the
 prefix cache salted by weight version (after a commit a long prompt finds none of the
 blocks cached under the old weights, is served exactly as a fresh engine with the new
-weights serves it, and is cached again under them).
+weights serves it, and is cached again under them), and a LoRA adapter published as a
+versioned policy (the replica serves what a fresh engine with the same adapter serves,
+version after version).
 
 Run by ``tests/gpu/check.sh`` like the other GPU checks (``run 600 -k publishing``); skipped
 without a GPU. It shares :class:`tests.gpu.test_gpu_platform.Stage` and its helpers; its
@@ -18,8 +20,8 @@ import time
 
 import pytest
 
-from tests.gpu.machine import MODEL, gpu_cluster, needs_gpus
-from tests.gpu.test_gpu_platform import Stage, coordinator_status, first_mismatch, greedy, load_weights, on_engine, on_platform, perturbed, platform_cfg, requests, stage  # noqa: F401 - perturbed and stage are fixtures (stage's cluster is this module's)
+from tests.gpu.machine import MODEL, WORK, gpu_cluster, needs_gpus
+from tests.gpu.test_gpu_platform import MAX_TOKENS, PROMPTS, Stage, coordinator_status, first_mismatch, greedy, load_weights, on_engine, on_platform, perturbed, platform_cfg, requests, stage  # noqa: F401 - perturbed and stage are fixtures (stage's cluster is this module's)
 
 pytestmark = needs_gpus(1)
 APP = "gpu-gloo"
@@ -156,4 +158,73 @@ def test_after_a_commit_a_long_prompt_is_not_served_from_the_old_versions_kv_on_
         hits_new_version_again=hits_cached,
         greedy_after_commit="equal",
         one_replica=len({r.replica_id for r in (first, again, after, cached)}) == 1,
+    )
+
+
+LORA_APP = "gpu-lora"
+LORA_RANK = 16
+LORA_NAME = "math"
+
+
+def test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_with_it(stage, record):
+    """Two versions of one adapter (PEFT's layout, built in code), each published with
+    ``publish_adapter`` into a GPU replica started with LoRA on: requests naming it get the
+    greedy tokens of a fresh vLLM engine given the same adapter, and spans name the
+    adapter's version. Both engines run eager: the check is about the bytes, and an eager
+    start fits the GPU check's time."""
+    import ray
+
+    from rollout.api import RolloutRequest, SamplingConfig
+    from rollout.sync import WeightPublisher
+    from tests.gpu.test_gpu_platform import GPU_IDLE_BYTES, gpu_memory_used, start_engine, stop, wait_for
+    from tests.lora import demo_adapter, write_adapter
+
+    # One GPU holds the replica and the reference, nothing else.
+    stage.reset()
+    lora = {"enabled": True, "max_loras": 2, "max_lora_rank": LORA_RANK}
+    cfg = platform_cfg(LORA_APP, "gloo", lora=lora, enforce_eager=True)
+    versions = [demo_adapter(MODEL, seed, r=LORA_RANK, scale=0.05) for seed in (1, 2)]
+    dirs = [write_adapter(WORK / f"lora-v{v}", tensors, config) for v, (tensors, config) in enumerate(versions, 1)]
+    sampling = SamplingConfig(max_tokens=MAX_TOKENS, temperature=0.0)
+
+    bare, bare_start_s = start_engine("0", cfg.model.model_dump(mode="json"))
+    try:
+        # One prompt a call, as the platform is asked below: in bf16 the batch changes the numerics.
+        want = {
+            v: [ray.get(bare.generate.remote(requests([p]), (f"reference-{v}", v, dirs[v - 1])), timeout=300)[0] for p in PROMPTS]
+            for v in (1, 2)
+        }
+        base = greedy(on_engine(bare))
+    finally:
+        stop(bare)
+    # The stage reads where the replica went from the GPU memory its deploy took.
+    assert wait_for(lambda: gpu_memory_used()[0] < GPU_IDLE_BYTES, 120, 2.0), f"the reference engine's GPU memory is not back: {gpu_memory_used()}"
+    assert want[1] != base and want[2] != want[1], "each adapter version changes the greedy tokens"
+
+    app = stage.app_for(cfg)
+    pub = WeightPublisher.connect(app_name=LORA_APP, backend="gloo")
+    publish_s, spans = [], []
+    try:
+        for v, (tensors, config) in enumerate(versions, 1):
+            t0 = time.perf_counter()
+            assert pub.publish_adapter(LORA_NAME, tensors, config) == v
+            publish_s.append(time.perf_counter() - t0)
+            got = []
+            for p in PROMPTS:
+                (r,) = app.handle.generate_sync([RolloutRequest(prompt_token_ids=p, sampling=sampling, adapter=LORA_NAME)])
+                got.append(r.samples[0].token_ids)
+                spans.append({(s.adapter, s.adapter_version) for s in r.samples[0].weight_versions})
+            assert got == want[v], f"adapter version {v}: {first_mismatch(got, want[v])}"
+            assert all(s == {(LORA_NAME, v)} for s in spans[-len(PROMPTS):]), spans[-len(PROMPTS):]
+    finally:
+        pub.close()
+    assert greedy(on_platform(app.handle)) == base, "requests naming no adapter get the base model's tokens"
+    record(
+        rank=LORA_RANK,
+        adapter_tensors=len(versions[0][0]),
+        adapter_bytes=sum(t.numel() * t.element_size() for t in versions[0][0].values()),
+        replica_start_s=round(app.start_s, 1),
+        reference_start_s=round(bare_start_s, 1),
+        publish_adapter_s=[round(s, 3) for s in publish_s],
+        greedy="equal for versions 1 and 2, and the base model without an adapter",
     )
