@@ -184,6 +184,10 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         "11. Prefix cache salted by weight version: after a commit no prompt is served from the old version's KV (one GPU)",
         _salt,
     ),
+    "test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_with_it": (
+        "12. A LoRA adapter published as a versioned policy serves like a fresh engine given the same adapter (one GPU)",
+        _filled("rank {rank}, {adapter_tensors} tensors; replica start {replica_start_s} s (eager); publish_adapter {publish_adapter_s} s; greedy {greedy}"),
+    ),
 }
 
 # Checks without a row of their own share one row per file. Results recorded before the
