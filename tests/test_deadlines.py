@@ -21,6 +21,7 @@ BOUNDED_ELSEWHERE = {
     ("batching.py", "for r in t.result()]"): "results of tasks the TaskGroup has already finished",
     ("sync/sessions.py", "rnd.decided.wait()"): "a round is decided by its deadline at the latest (_enforce_deadline)",
     ("sync/rounds.py", "await rnd.decided.wait()"): "a round is decided by its deadline at the latest (Rounds._enforce_deadline)",
+    ("sync/coordinator.py", "await rnd.decided.wait()"): "a round is decided by its deadline at the latest (Rounds._enforce_deadline)",
     ("sync/backends/gloo_group.py", ".broadcast_async(tensor, root).wait()"): "gloo collectives end at the group's timeout (Rendezvous.timeout_s)",
     ("sync/backends/gloo_stream.py", "in_flight[0].wait()"): "gloo collectives end at the group's timeout (Rendezvous.timeout_s)",
     ("sync/backends/gloo_stream.py", "work.wait()"): "gloo collectives end at the group's timeout (Rendezvous.timeout_s)",

@@ -3,6 +3,7 @@ calculator, tools from a function's signature, and vLLM's parser reading calls b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -14,14 +15,22 @@ from rollout.tools import ToolRegistry, call_tool
 from rollout.tools.calculator import CalculatorError, calculator
 from rollout.tools.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
-# The wall time well above the CPU time: a busy loop meets its CPU limit first even with a
-# small share of a loaded machine's cores.
 LIMITS = SandboxLimits(wall_time_s=6, cpu_time_s=1, memory_bytes=256 << 20, disk_bytes=8 << 20, max_processes=8, output_chars=500)
+# For the checks of every other limit: a wall time no load reaches first. Beside the
+# shared-cluster lane on 2 cores, a program got so small a share that 1 s of CPU, a 256 MiB
+# memory bomb or a subprocess's start outlasted 6 s of wall time, and the wall limit, not the
+# one under test, stopped it.
+PATIENT = dataclasses.replace(LIMITS, wall_time_s=120)
 
 
 @pytest.fixture(scope="module")
 def sandbox() -> Sandbox:
     return Sandbox(LIMITS)
+
+
+@pytest.fixture(scope="module")
+def patient() -> Sandbox:
+    return Sandbox(PATIENT)
 
 
 def run(sandbox: Sandbox, code: str):
@@ -42,11 +51,11 @@ def test_code_runs_and_prints_in_a_private_working_directory(sandbox):
     assert result.ok and result.stdout == "3628800\nok /tmp 65534\n", result
 
 
-def test_an_infinite_loop_is_stopped_at_the_cpu_limit(sandbox):
-    result, seconds = run(sandbox, "while True:\n    pass")
+def test_an_infinite_loop_is_stopped_at_the_cpu_limit(patient):
+    result, seconds = run(patient, "while True:\n    pass")
     assert result.stopped == "CPU time" and "[stopped: CPU time limit]" in result.text()
     # Before its wall time: how far before depends on the core share it got.
-    assert seconds < LIMITS.wall_time_s
+    assert seconds < PATIENT.wall_time_s
 
 
 def test_sleeping_past_the_wall_time_is_stopped(sandbox):
@@ -55,15 +64,16 @@ def test_sleeping_past_the_wall_time_is_stopped(sandbox):
 
 
 @pytest.mark.parametrize("code", ["x = bytearray(1 << 30)", "a = []\nwhile True:\n    a.append(' ' * 10**6)"])
-def test_a_memory_bomb_gets_memory_error(sandbox, code):
-    result, seconds = run(sandbox, code)
-    assert result.exit_code == 1 and "MemoryError" in result.stderr and seconds < 3
+def test_a_memory_bomb_gets_memory_error(patient, code):
+    result, _ = run(patient, code)
+    # It ends by itself, with the error: no limit had to stop it.
+    assert result.exit_code == 1 and "MemoryError" in result.stderr and result.stopped is None, result
 
 
-def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing_behind(sandbox):
-    result, seconds = run(sandbox, "import os\nwhile True:\n    os.fork()")
-    assert "Resource temporarily unavailable" in result.stderr and seconds < LIMITS.wall_time_s + 1.5
-    result, _ = run(sandbox, "import subprocess\nprint(subprocess.run(['id', '-u'], capture_output=True, text=True).stdout)")
+def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing_behind(patient):
+    result, seconds = run(patient, "import os\nwhile True:\n    os.fork()")
+    assert "Resource temporarily unavailable" in result.stderr and seconds < PATIENT.wall_time_s
+    result, _ = run(patient, "import subprocess\nprint(subprocess.run(['id', '-u'], capture_output=True, text=True).stdout)")
     assert result.ok and result.stdout.strip() == "65534", "processes start, inside the sandbox only"
 
 
@@ -75,9 +85,10 @@ def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing_behind(sandbo
         ("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)", "URLError"),
     ],
 )
-def test_the_network_is_a_namespace_with_only_its_own_loopback(sandbox, code, says):
-    result, seconds = run(sandbox, code)
-    assert result.exit_code == 1 and says in result.stderr and seconds < 3, result.stderr
+def test_the_network_is_a_namespace_with_only_its_own_loopback(patient, code, says):
+    result, _ = run(patient, code)
+    # Refused or unreachable at once, by itself (a connection that hung would say "timed out").
+    assert result.exit_code == 1 and says in result.stderr and result.stopped is None, result.stderr
 
 
 @pytest.mark.parametrize(
