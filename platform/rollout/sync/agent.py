@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from rollout.errors import StaleWeightsError, unwrap_remote
 from rollout.sync import digest, net
+from rollout.sync.adapter_rounds import AdapterRounds
 from rollout.sync.adapters import ServedAdapters
 from rollout.sync.backends import get_backend
 from rollout.sync.backends.base import delta_base_of
@@ -203,6 +204,7 @@ class SyncAgent:
         self._engine_group: Optional[_Joined] = None
         # The LoRA adapters this replica's engine serves (published as AdapterRounds).
         self.adapters = ServedAdapters(engine, replica_id)
+        self.adapter_rounds = AdapterRounds(self.adapters, self.coordinator, replica_id, report=lambda plan, error: self._report(plan, error), version=lambda: self.version)
 
     @property
     def held(self) -> bool:
@@ -300,7 +302,7 @@ class SyncAgent:
             await self._restore()
         # Before the first request, like the base weights: a replica that cannot load a
         # committed adapter does not start (the error names it), rather than serve without it.
-        await self._load_adapters()
+        await self.adapter_rounds.catch_up()
         self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="rollout-sync-agent")
 
     async def _register(self) -> int:
@@ -328,9 +330,9 @@ class SyncAgent:
             elif isinstance(plan, SessionPlan):
                 await self._join_session(plan)
             elif isinstance(plan, AdapterRound):
-                await self._run_adapter_round(plan)
+                await self.adapter_rounds.run(plan)
             elif isinstance(plan, AdapterRemovalRound):
-                await self._run_adapter_removal(plan)
+                await self.adapter_rounds.remove(plan)
             else:
                 await self._run_round(plan)
 
@@ -403,54 +405,9 @@ class SyncAgent:
         if committed > self.version:
             await self._restore()
         try:
-            await self._load_adapters()
+            await self.adapter_rounds.catch_up()
         except Exception as e:  # what it serves stays as it was; the next publish of each brings it
             logger.error("replica %s: loading the committed adapters after re-registering failed: %s", self.replica_id, e)
-
-    async def _load_adapters(self) -> None:
-        """Load every committed adapter this replica does not serve at that version
-        (catch-up: a replica that starts later, or missed a round)."""
-        for adapter in await self.coordinator.adapters(self.replica_id):
-            served = self.adapters.get(adapter.name)
-            if served is not None and served.version >= adapter.version:
-                continue
-            await self.adapters.commit(await self.adapters.stage(adapter))
-            logger.info("replica %s: loaded adapter %s version %d", self.replica_id, adapter.name, adapter.version)
-
-    async def _run_adapter_round(self, plan: AdapterRound) -> None:
-        """Stage the round's adapter beside the served ones, report, and serve it only on
-        a commit: on an abort (here or on any member) it is dropped and the version before
-        stays served, so no replica serves a version another one lacks. Nothing pauses."""
-        clock = PhaseClock()
-        staged, error = None, None
-        try:
-            async with clock("load"):
-                staged = await asyncio.wait_for(self.adapters.stage(plan.adapter), plan.timeout_s)
-        except asyncio.TimeoutError:
-            error = f"loading {plan.adapter!r} did not finish within {plan.timeout_s:.0f}s (sync.timeout_s)"
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        if error is not None:
-            logger.error("replica %s: %s failed: %s", self.replica_id, plan.round_id, error)
-        async with clock("decision"):
-            outcome = await self._report(plan, error)
-        if staged is not None:
-            async with clock("serve"):
-                await (self.adapters.commit(staged) if outcome.committed else self.adapters.discard(staged))
-        logger.info("replica %s: %s %s; took %s", self.replica_id, plan.round_id, "committed" if outcome.committed else "aborted", clock)
-        await self.coordinator.applied(plan.round_id, self.replica_id, self.version, clock.phases)
-
-    async def _run_adapter_removal(self, plan: AdapterRemovalRound) -> None:
-        """An unload: report (nothing to prepare), and stop serving the adapter only on a
-        commit, so it leaves every replica or none. Nothing pauses."""
-        clock = PhaseClock()
-        async with clock("decision"):
-            outcome = await self._report(plan, None)
-        if outcome.committed:
-            async with clock("serve"):
-                await self.adapters.remove(plan.name)
-        logger.info("replica %s: %s %s; took %s", self.replica_id, plan.round_id, "committed" if outcome.committed else "aborted", clock)
-        await self.coordinator.applied(plan.round_id, self.replica_id, self.version, clock.phases)
 
     async def _restore(self) -> None:
         """Load the committed weights from the coordinator's copy. With no copy to load,
