@@ -80,13 +80,15 @@ def test_differing_names_every_tensor_that_differs_is_missing_or_extra():
     assert digest.describe(["x"]) == "1 tensor (x)"
 
 
-def test_the_sender_digests_the_packed_bytes_it_sends_which_equal_each_tensors_own():
+def test_the_sender_digests_each_tensor_it_packs_as_the_bytes_of_its_packed_bucket():
     ts = tensors()
     sent = SentDigests()
+    packed = {}
     for bucket in plan_buckets(SPECS, 16):  # two buckets
         specs = [SPECS[i] for i in bucket]
-        sent.add(pack(ts[s.name] for s in specs), specs)
-    assert sent.digests == {n: digest.tensor_digest(t) for n, t in ts.items()}
+        sent.add([(s.name, ts[s.name]) for s in specs])
+        packed.update(digest.digest_all(unpack(pack(ts[s.name] for s in specs), specs)))
+    assert sent.digests == packed == {n: digest.tensor_digest(t) for n, t in ts.items()}
     assert list(sent.digests) == [s.name for s in SPECS] and sent.seconds >= 0
 
 
@@ -216,6 +218,13 @@ def test_the_host_digest_equals_the_device_one_byte_for_byte():
     for n in (0, 5, 8 * digest.ROW, 8 * digest.ROW + 1, 3 * 8 * digest.ROW + 13, 100_003):
         data = torch.randint(0, 256, (n + 3,), generator=g, dtype=torch.uint8)
         for b in (data[:n], data[3:]):  # aligned, and a view at an odd offset
-            assert digest._host_sums(b.numpy()) == digest._device_sums(b), n
+            assert both(b) == (digest._format(digest._host_sums(b.numpy()), n),) * 2, n
     big = torch.randint(-(2**63), 2**63 - 1, (64 * digest.ROW,), generator=g, dtype=torch.int64)  # sums that wrap
-    assert digest._host_sums(big.view(torch.uint8).numpy()) == digest._device_sums(big.view(torch.uint8))
+    host, device = both(big.view(torch.uint8))
+    assert host == device
+
+
+def both(b: torch.Tensor) -> tuple[str, str]:
+    """The digest of the bytes ``b`` from numpy's sums and from torch's (read back as a
+    bucket's are, in one stacked tensor)."""
+    return digest._format(digest._host_sums(b.numpy()), b.numel()), digest._format(digest._device_sums(b).tolist(), b.numel())

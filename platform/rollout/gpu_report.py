@@ -123,11 +123,16 @@ def _fleet(m: dict[str, Any]) -> str:
 def _digest(m: dict[str, Any]) -> str:
     if not m:
         return ""
-    shares = f"**{m.get('digest_share_of_publish_sender', 0):.0%} (trainer) and {m.get('digest_share_of_publish_replica', 0):.0%} (replica) of the steady publish** (goal < 5%)"
+    sides = [("from the host", m)] + ([("from the GPU", m["from_gpu"])] if m.get("from_gpu") else [])
+    return "; ".join(f"{where}: {_digest_side(side)}" for where, side in sides) + f"; every replica's digest equal to the trainer's; greedy {m.get('greedy')}"
+
+
+def _digest_side(m: dict[str, Any]) -> str:
+    shares = f"**{m.get('digest_share_of_publish_sender', 0):.1%} (trainer) and {m.get('digest_share_of_publish_replica', 0):.1%} (replica) of the steady publish** (goal < 5%)"
     return (
-        f"{m.get('bytes', 0) / 1e9:.2f} GB in {m.get('tensors')} tensors from the host over gloo: publish {m.get('publish_s')} s "
-        f"(steady median {m.get('publish_steady_median_s')} s); digesting took {m.get('send_digest_s')} s on the trainer and "
-        f"{m.get('receive_digest_s')} s on the replica: {shares}; every replica's digest equal to the trainer's; greedy {m.get('greedy')}"
+        f"{m.get('bytes', 0) / 1e9:.2f} GB in {m.get('tensors')} tensors over gloo, publish {m.get('publish_s')} s "
+        f"(steady median {m.get('publish_steady_median_s')} s), digesting {m.get('send_digest_s')} s on the trainer and "
+        f"{m.get('receive_digest_s')} s on the replica: {shares}"
     )
 
 
@@ -177,7 +182,7 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         _fleet,
     ),
     "test_a_gloo_publish_into_a_gpu_replica_is_digested_on_both_sides_and_serves_exactly_the_published_weights": (
-        "10. Fleet digest: a gloo publish from the host into a GPU replica, digested by the trainer and the replica (one GPU)",
+        "10. Fleet digest: a gloo publish from the host and from the GPU into a GPU replica, digested by the trainer and the replica (one GPU)",
         _digest,
     ),
     "test_after_a_commit_a_long_prompt_is_not_served_from_the_old_versions_kv_on_the_gpu": (

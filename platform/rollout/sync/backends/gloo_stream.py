@@ -28,11 +28,13 @@ class SentDigests:
         self.digests: digest.TensorDigests = {}
         self.seconds = 0.0
 
-    def add(self, packed: torch.Tensor, specs: Sequence[ParamSpec]) -> None:
-        # Hashed from the packed bucket itself (the bytes sent), while gloo's thread
-        # broadcasts it: torch's reductions (rollout.sync.digest) release the GIL.
+    def add(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        # The tensors a bucket was packed from (its bytes, copied), digested where they live
+        # while gloo's thread broadcasts the bucket: a GPU trainer's on its GPU (one pass at
+        # device speed, not a second pass over host memory), a CPU trainer's by numpy, which
+        # releases the GIL.
         t0 = time.perf_counter()
-        digest.digest_all(unpack(packed, specs), into=self.digests)
+        digest.digest_all(named, into=self.digests)
         self.seconds += time.perf_counter() - t0
 
 
@@ -49,8 +51,7 @@ def send_buckets(
     bucket (a copy of the weights that later changes to ``tensors`` do not touch);
     ``digests``, when given, each tensor's digest of the bytes sent."""
     plan = plan_buckets(params, bucket_bytes)
-    specs = [[params[i] for i in bucket] for bucket in plan]
-    on_sent = (lambda k, packed: digests.add(packed, specs[k])) if digests is not None else None
+    on_sent = (lambda k, packed: digests.add([(params[i].name, tensors[i]) for i in plan[k]])) if digests is not None else None
     _broadcast_pipelined(group, (pack(tensors[i] for i in bucket) for bucket in plan), keep, on_sent)
 
 
@@ -74,10 +75,15 @@ def _broadcast_pipelined(group: GlooGroup, buffers: Iterator[torch.Tensor], keep
         in_flight[0].wait()
 
 
-def receive_buckets(group: GlooGroup, params: Sequence[ParamSpec], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def receive_buckets(
+    group: GlooGroup, params: Sequence[ParamSpec], bucket_bytes: int, device: Optional[torch.device] = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield each bucket's ``(name, tensor)`` views, in order, with the next ``IN_FLIGHT``
     buckets posted meanwhile. Every bucket has a buffer of its own, so a consumer may
-    keep the views."""
+    keep the views. With an accelerator ``device``, each bucket is copied there whole
+    before it is unpacked (gloo receives into host memory): one copy per bucket, which
+    the consumer's load would otherwise make tensor by tensor, and what it then reads
+    (a digest, the load) runs at the device's speed."""
     buckets = [[params[i] for i in b] for b in plan_buckets(params, bucket_bytes)]
 
     def post(specs: list[ParamSpec]):
@@ -90,4 +96,6 @@ def receive_buckets(group: GlooGroup, params: Sequence[ParamSpec], bucket_bytes:
         work.wait()
         if k + IN_FLIGHT < len(buckets):
             posted.append(post(buckets[k + IN_FLIGHT]))
+        if device is not None and device.type != "cpu":
+            buffer = buffer.to(device)
         yield list(unpack(buffer, specs))

@@ -111,7 +111,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         received: Optional[digest.TensorDigests] = {} if path else None
         corrupt = bool(path) and digest.take_corruption(path)  # test hook, inert unless a test set it
         digest_s = 0.0
-        for named in receive_buckets(self.slot.group, update_info.specs(), self.bucket_bytes):
+        import torch
+
+        # On a GPU replica each bucket goes to the GPU whole before it is digested and
+        # loaded: the digest then runs there (GPU check 10: 83 GB/s against 4.6 GB/s for one
+        # host thread), and the load copies device to device.
+        device = torch.device(self.device) if self.device is not None else None
+        for named in receive_buckets(self.slot.group, update_info.specs(), self.bucket_bytes, device):
             if corrupt:
                 digest.corrupt(named[0][1])  # as a transfer that flipped a byte would
                 corrupt = False
