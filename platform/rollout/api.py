@@ -243,6 +243,13 @@ class EpisodeStart(_Input):
     reward: Optional[RewardSpec] = Field(
         default=None, description="Score the episode when it ends (`Trajectory.reward`), on the model's last turn; replaces `rewards.default` for this episode."
     )
+    adapter: Optional[str] = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="A published LoRA adapter to generate every turn with, by name: each turn takes its newest committed version when the turn starts, as each turn "
+        "takes the base weights' (each turn's `weight_versions` spans name it). None: the base model. An adapter not published is refused (400 naming `adapter`).",
+    )
 
 
 class NamedToolChoice(_Input):
