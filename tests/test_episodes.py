@@ -1,6 +1,6 @@
 """Episodes, one module at a time: rendering only the new messages after a model turn (with
-the built model's own tokenizer and chat template), the store's bounds and errors, and the
-router's pin of an episode to its replica."""
+the built model's own tokenizer and chat template), the store's bounds and errors, the
+router's pin of an episode to its replica, and an episode's LoRA adapter."""
 
 from __future__ import annotations
 
@@ -61,3 +61,51 @@ def test_an_episode_id_names_its_replica_and_the_router_pins_to_it():
 
     assert AffinityRouter._pinned(Pending({"episode_id": eid})) == "abc123"
     assert AffinityRouter._pinned(Pending({"prompt": "x"})) is None
+
+
+async def test_an_episode_names_an_adapter_each_turn_takes_its_newest_committed_version_and_an_unknown_one_is_refused(model_dir, tokenizer):
+    from rollout.api import EpisodeRef, EpisodeStart, EpisodeTurn, Sample, SamplingConfig, WeightVersionSpan
+    from rollout.config import PlatformConfig, SyncConfig
+    from rollout.engine.episode_service import EpisodeService
+    from rollout.engine.sync_gate import SyncGate
+    from rollout.rewards import RewardScorer
+    from rollout.sync.adapters import ServedAdapter
+    from rollout.sync.agent import SyncAgent
+
+    cfg = PlatformConfig.model_validate({"model": {"path": str(model_dir)}, "tools": {"python": {"enabled": False}}})
+    agent = SyncAgent(engine=None, coordinator=None, replica_id="r", ranks=1, model_path=str(model_dir))
+    gate = SyncGate.over(agent, SyncConfig(), "r")
+    agent.adapters.served["math"] = ServedAdapter("math", 2, 1, "/unused")
+    sent = []
+
+    async def sample(request, plan):
+        # As the replica samples: the adapter's version served when the request starts.
+        sent.append(request)
+        lora = gate.adapter(request.adapter) if request.adapter is not None else None
+        span = WeightVersionSpan(version="0", start=0, end=2, adapter=lora and lora.name, adapter_version=lora and lora.version)
+        return Sample(token_ids=[11, 12], logprobs=[-0.5, -0.5], finish_reason="length", weight_versions=[span])
+
+    service = EpisodeService(cfg, tokenizer, "r", 512, sample, RewardScorer.from_config(cfg.rewards), check_adapter=gate.adapter)
+    opening = [{"role": "user", "content": "2+2?"}]
+    try:
+        with pytest.raises(InvalidRequestError) as e:
+            service.start(EpisodeStart(messages=opening, adapter="nope"))
+        assert e.value.field == "adapter" and "not a published LoRA adapter (published: math)" in e.value.message
+        assert len(service.store) == 0, "a refused start leaves no episode"
+
+        started = service.start(EpisodeStart(messages=opening, adapter="math"))
+        await service.turn(EpisodeTurn(episode_id=started.episode_id, sampling=SamplingConfig(max_tokens=2)))
+        agent.adapters.served["math"] = ServedAdapter("math", 3, 2, "/unused")  # a publish committed between the turns
+        await service.turn(EpisodeTurn(episode_id=started.episode_id, messages=[{"role": "user", "content": "sure?"}], sampling=SamplingConfig(max_tokens=2)))
+        traj = await service.trajectory(EpisodeRef(episode_id=started.episode_id), end=True)
+        assert [r.adapter for r in sent] == ["math", "math"]
+        first, second = traj.turns
+        assert [(sp.adapter, sp.adapter_version, sp.start, sp.end) for sp in first.weight_versions] == [("math", 2, first.start, first.end)]
+        assert [(sp.adapter, sp.adapter_version, sp.start, sp.end) for sp in second.weight_versions] == [("math", 3, second.start, second.end)]
+
+        base = service.start(EpisodeStart(messages=opening))
+        await service.turn(EpisodeTurn(episode_id=base.episode_id, sampling=SamplingConfig(max_tokens=2)))
+        assert sent[-1].adapter is None, "no adapter named: the base model"
+    finally:
+        service.close()
+        agent.adapters.close()

@@ -99,6 +99,27 @@ async def assert_every_replica_serves(client, want: list[list[int]], replicas: i
     assert len(seen) == replicas, f"requests reached only {seen}"
 
 
+EPISODE = [{"role": "user", "content": "What is 6 times 7?"}]
+
+
+async def assert_episode_turns_run_the_adapter(client, version: int) -> None:
+    """An episode naming "math": each turn's tokens are what a plain request with the
+    adapter samples from the same tokens (not the base model's), and its spans name it."""
+    episode = await client.start_episode(EPISODE, adapter="math")
+    sampling = SamplingConfig(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    turns = [await episode.turn(sampling=sampling), await episode.turn([{"role": "user", "content": "Again."}], sampling=sampling)]
+    traj = await episode.end()
+    prefix = list(episode.prompt_token_ids)
+    for turn, span in zip(turns, traj.turns):
+        prefix += turn.appended_token_ids
+        # One at a time, as the turn ran: a batch mixing them is not what is compared.
+        (with_it,) = await client.generate([RolloutRequest(prompt_token_ids=prefix, adapter="math", sampling=sampling)])
+        (without,) = await client.generate([RolloutRequest(prompt_token_ids=prefix, sampling=sampling)])
+        assert turn.sample.token_ids == with_it.samples[0].token_ids != without.samples[0].token_ids
+        assert [(sp.adapter, sp.adapter_version, sp.start, sp.end) for sp in span.weight_versions] == [("math", version, span.start, span.end)]
+        prefix += turn.sample.token_ids
+
+
 async def test_an_adapter_serves_like_a_fresh_engine_with_it_on_every_replica_and_the_next_version_is_seen_at_once(lora_app, adapters, lora_reference):
     reference = lora_reference
     assert reference[1] != reference["base"] and reference[2] != reference[1], "the adapters must change greedy output for this test to tell them apart"
@@ -148,6 +169,12 @@ async def test_an_adapter_serves_like_a_fresh_engine_with_it_on_every_replica_an
             assert r.json()["model"] == "math@2", "vLLM names the adapter version that answered"
             r = await http.post(f"{base_url}/v1/completions", headers=headers, json={"model": "nope", "prompt": "x", "max_tokens": 2})
             assert r.status_code == 404 and "nope" in r.text, r.text
+
+            # Episodes take the adapter too: an unknown one is a 400 naming `adapter`.
+            r = await http.post(f"{base_url}/v1/episodes", headers=headers, json={"messages": EPISODE, "adapter": "nope"})
+            assert r.status_code == 400 and r.json()["error"]["field"] == "adapter" and "not a published LoRA adapter" in r.json()["error"]["message"], r.text
+        await assert_episode_turns_run_the_adapter(client, 2)
+        await assert_episode_turns_run_the_adapter(http_client, 2)
     finally:
         publisher.close()
         client.close()

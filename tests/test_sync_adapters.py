@@ -364,3 +364,94 @@ async def test_an_unload_that_a_replica_does_not_answer_aborts_and_every_replica
         outcome = await asyncio.wait_for(coordinator.drive(None, UnloadAdapter("math")), 10)
         assert not outcome.committed and "b" in outcome.error and outcome.version == 1, outcome
         assert served(a) == {"math": 1} and (await coordinator.status())["adapters"] == {"math": 1}
+
+
+# ---- a restarted coordinator learns the adapters back from the replicas -------------------
+
+
+async def restarted(coordinator, model_dir, agents: list[SyncAgent]):
+    """A new coordinator in place of ``coordinator`` (its state gone, as after a restart):
+    the agents' next poll reaches it, is told to register again, and does."""
+    fresh = coordinator_for(model_dir)
+    for agent in agents:
+        agent.coordinator._handle.coordinator = fresh  # the handle now reaches the new one
+    coordinator.membership.wake_all()  # end the long polls waiting on the old one
+    async with asyncio.timeout(10):
+        while set(fresh.membership.replicas) != {agent.replica_id for agent in agents}:
+            await asyncio.sleep(0.02)
+    return fresh
+
+
+async def test_a_restarted_coordinator_learns_the_adapters_back_and_never_reuses_a_version(model_dir):
+    from rollout.config import SyncConfig
+    from rollout.engine.sync_gate import SyncGate
+    from rollout.errors import NotServingError
+    from rollout.sync.protocol import UnloadAdapter
+
+    coordinator = coordinator_for(model_dir)
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        for seed, name in ((0, "math"), (1, "math"), (2, "code")):
+            assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, seed, name=name)), 10)).committed
+        assert (await asyncio.wait_for(coordinator.drive(None, UnloadAdapter("code")), 10)).committed
+        assert served(a) == served(b) == {"math": 2}
+
+        fresh = await restarted(coordinator, model_dir, [a, b])
+        status = await fresh.status()
+        assert status["adapters"] == {"math": 2} and status["adapters_without_copy"] == ["math"], status
+        assert served(a) == served(b) == {"math": 2}, "what the replicas serve is as it was"
+
+        # A replica that starts now cannot load it (no copy here): it serves the rest and
+        # refuses requests naming it, retryably, while the replicas that hold it serve them.
+        late = await started(fresh, model_dir, "late")
+        try:
+            assert served(late) == {} and late.adapters.unavailable == {"math": 2}
+            with pytest.raises(NotServingError, match="'math' version 2 is committed but not loaded here"):
+                SyncGate.over(late, SyncConfig(), "late").adapter("math")
+            assert SyncGate.over(a, SyncConfig(), "a").adapter("math").lora_request().lora_name == "math@2"
+            with pytest.raises(InvalidRequestError, match="not a published LoRA adapter"):
+                SyncGate.over(late, SyncConfig(), "late").adapter("code")
+
+            # The next publish continues after the versions the replicas held: "math@1" and
+            # "math@2" (and the unloaded "code@1") name other weights in their prefix caches.
+            with pytest.raises(InvalidRequestError, match="greater than adapter 'math'"):
+                await fresh.publish_adapter(None, request(model_dir, 3, version=2))
+            outcome = await asyncio.wait_for(fresh.publish_adapter(None, request(model_dir, 3)), 10)
+            assert outcome.committed and outcome.version == 3, outcome
+            assert served(a) == served(b) == served(late) == {"math": 3} and late.adapters.unavailable == {}
+            assert SyncGate.over(late, SyncConfig(), "late").adapter("math").lora_request().lora_name == "math@3"
+            outcome = await asyncio.wait_for(fresh.publish_adapter(None, request(model_dir, 4, name="code")), 10)
+            assert outcome.committed and outcome.version == 2, outcome
+            status = await fresh.status()
+            assert status["adapters"] == {"math": 3, "code": 2} and status["adapters_without_copy"] == [], status
+        finally:
+            late.stop()
+
+
+async def test_a_restarted_coordinator_can_unload_a_learned_adapter(model_dir):
+    from rollout.sync.protocol import UnloadAdapter
+
+    coordinator = coordinator_for(model_dir)
+    async with replicas(coordinator, model_dir, "a") as (a,):
+        assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 0)), 10)).committed
+        fresh = await restarted(coordinator, model_dir, [a])
+        outcome = await asyncio.wait_for(fresh.drive(None, UnloadAdapter("math")), 10)
+        assert outcome.committed and served(a) == {} and (await fresh.status())["adapters"] == {}
+        assert fresh.store.last_adapter_version("math") == 1
+
+
+def test_what_replicas_report_is_learned_whatever_order_they_register_in(model_dir):
+    from rollout.sync.protocol import HeldAdapter
+    from rollout.sync.store import CommittedWeights
+
+    reports = [
+        ("a", (HeldAdapter("math", 2), HeldAdapter("code", 1))),
+        ("b", (HeldAdapter("math", 1),)),  # lagging: it loads version 2 at catch-up... where a copy exists
+        ("c", (HeldAdapter("code", 3, served=False),)),  # an unload removed code at 3 (a missed it)
+    ]
+    for order in (reports, reports[::-1]):
+        store = CommittedWeights("nccl", str(model_dir), 5, None)
+        for replica_id, held in order:
+            store.learn_adapters(replica_id, held)
+        assert store.adapter_versions() == {"math": 2}, order
+        assert store.committed_adapters().without_copy == (HeldAdapter("math", 2),)
+        assert (store.last_adapter_version("math"), store.last_adapter_version("code")) == (2, 3)

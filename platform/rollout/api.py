@@ -116,6 +116,10 @@ def _one_prompt_form(schema: dict) -> None:
     schema["oneOf"] = [{"required": [f], "properties": {f: {"not": {"type": "null"}}}} for f in PROMPT_FORMS]
 
 
+# A LoRA adapter's name, as requests and episodes name it (checked against the published ones where served).
+AdapterName = Annotated[str, Field(min_length=1, max_length=128)]
+
+
 class RolloutRequest(_Input):
     """One prompt to sample ``n`` completions of. Exactly one prompt form is given."""
 
@@ -131,10 +135,8 @@ class RolloutRequest(_Input):
     reward: Optional[RewardSpec] = Field(
         default=None, description="Score each sample when it finishes (`Sample.reward`); replaces `rewards.default` for this request."
     )
-    adapter: Optional[str] = Field(
+    adapter: Optional[AdapterName] = Field(
         default=None,
-        min_length=1,
-        max_length=128,
         description="A published LoRA adapter (`WeightPublisher.publish_adapter`) to generate with, by name: its newest committed version when the request starts, "
         "to the request's end (each `weight_versions` span names it). None: the base model. An adapter not published is refused (400 naming `adapter`).",
     )
@@ -242,6 +244,11 @@ class EpisodeStart(_Input):
     )
     reward: Optional[RewardSpec] = Field(
         default=None, description="Score the episode when it ends (`Trajectory.reward`), on the model's last turn; replaces `rewards.default` for this episode."
+    )
+    adapter: Optional[AdapterName] = Field(
+        default=None,
+        description="A published LoRA adapter to generate every turn with, by name: each turn takes its newest committed version when the turn starts, as each turn "
+        "takes the base weights' (each turn's `weight_versions` spans name it). None: the base model. An adapter not published is refused (400 naming `adapter`).",
     )
 
 

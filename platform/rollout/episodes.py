@@ -82,6 +82,7 @@ class EpisodeState:
     tool_calls: int = 0  # run so far
     pending: list[dict] = field(default_factory=list)  # the last turn's tool output, rendered at the next
     reward: Any = None  # the RewardSpec it is scored with when it ends
+    adapter: Optional[str] = None  # the LoRA adapter every turn generates with (None: the base model)
     last_text: str = ""  # the model's last turn, as text: what the reward reads
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a turn is running: a second one at once would interleave tokens

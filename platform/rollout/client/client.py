@@ -129,13 +129,15 @@ class RolloutClient:
         tools: Sequence[str] = (),
         max_tool_calls: Optional[int] = None,
         reward: Optional[Any] = None,
+        adapter: Optional[str] = None,
     ) -> Episode:
         """Begin a token-exact multi-turn episode on one replica (see :mod:`rollout.client.episode`);
         ``tools`` names the tools its model may call; ``reward`` (a RewardSpec or its dict)
-        scores it when it ends."""
+        scores it when it ends; ``adapter`` names a published LoRA adapter every turn
+        generates with (its newest committed version as each turn starts)."""
         try:
             start = EpisodeStart.model_validate(
-                {"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens, "tools": list(tools), "max_tool_calls": max_tool_calls, "reward": reward}
+                {"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens, "tools": list(tools), "max_tool_calls": max_tool_calls, "reward": reward, "adapter": adapter}
             )
         except ValidationError as e:
             raise from_validation_error(e, "episode") from None

@@ -38,11 +38,22 @@ from rollout.tools.pool import ToolPool
 from rollout.tools.sandbox import Isolation
 
 Sampler = Callable[[RolloutRequest, Optional[TurnPlan]], Awaitable[Sample]]
+# The replica's check that a LoRA adapter is served (SyncGate.adapter): raises naming the field.
+AdapterCheck = Callable[[str, str], object]
 
 
 class EpisodeService:
     def __init__(
-        self, config: PlatformConfig, tokenizer: Any, replica_id: str, max_model_len: int, sample: Sampler, rewards: RewardScorer, metrics: Optional[Any] = None
+        self,
+        config: PlatformConfig,
+        tokenizer: Any,
+        replica_id: str,
+        max_model_len: int,
+        sample: Sampler,
+        rewards: RewardScorer,
+        metrics: Optional[Any] = None,
+        *,
+        check_adapter: AdapterCheck,
     ):
         self.config = config
         self.rewards = rewards
@@ -51,6 +62,7 @@ class EpisodeService:
         self.replica_id = replica_id
         self.max_model_len = max_model_len
         self._sample = sample
+        self._check_adapter = check_adapter
         self.store = EpisodeStore(config.episodes.max_per_replica, config.episodes.idle_expiry_s)
         self.tools = ToolRegistry(config.tools.functions, python=config.tools.python.enabled)  # imports tools.functions: a bad path fails the start
         self.pool = ToolPool.from_config(config.tools, secret_env=(API_KEY_ENV, config.sync.token_env))
@@ -74,6 +86,12 @@ class EpisodeService:
         call_cap = self.config.tools.max_calls_per_episode
         if start.max_tool_calls is not None and start.max_tool_calls > call_cap:
             raise InvalidRequestError("max_tool_calls", f"{start.max_tool_calls} exceeds tools.max_calls_per_episode={call_cap}")
+        if start.adapter is not None:
+            # Refused now, naming `adapter`, not at the first turn. Each turn takes the
+            # adapter's newest committed version as it starts (as it takes the base
+            # weights'), not one pinned for the episode: a replica keeps only the served
+            # version and the one before it, so an episode could outlive a pinned one.
+            self._check_adapter(start.adapter, "adapter")
         reward = start.reward or self.rewards.default
         self.rewards.resolve(reward)  # a spec that cannot run is refused now, naming reward.*, not when the episode ends
         schemas = [t.openai() for t in tools] or None
@@ -88,6 +106,7 @@ class EpisodeService:
             tools=tools,
             max_tool_calls=call_cap if start.max_tool_calls is None else start.max_tool_calls,
             reward=reward,
+            adapter=start.adapter,
         )
         if len(ids) >= episode.max_tokens:
             raise InvalidRequestError("messages", f"the opening messages are {len(ids)} tokens; the episode may hold {episode.max_tokens} (max_tokens, at most the context)")
@@ -112,7 +131,7 @@ class EpisodeService:
             raise InvalidRequestError(
                 "sampling.max_tokens", f"the episode would reach {total} tokens ({len(episode.token_ids)} so far, {len(appended)} new); its max_tokens is {episode.max_tokens}"
             )
-        request = RolloutRequest(prompt_token_ids=episode.token_ids + appended, sampling=turn.sampling, session_id=turn.episode_id)
+        request = RolloutRequest(prompt_token_ids=episode.token_ids + appended, sampling=turn.sampling, session_id=turn.episode_id, adapter=episode.adapter)
         episode.busy = True
         try:
             sample = await self._sample(request, plan)

@@ -83,7 +83,9 @@ class RolloutEngine:
             sync = SyncAgent(adapter.engine, coordinator, replica_id, cfg.model.tensor_parallel_size, cfg.model.path, sync=cfg.sync)
         self._assemble(cfg, replica_id, adapter, SyncGate.over(sync, cfg.sync, replica_id), rewards, metrics)
         # Imports tools.functions: a bad path fails the start.
-        self.episodes = EpisodeService(cfg, adapter.tokenizer, replica_id, adapter.limits.max_model_len, self._sample_in_episode, rewards, metrics)
+        self.episodes = EpisodeService(
+            cfg, adapter.tokenizer, replica_id, adapter.limits.max_model_len, self._sample_in_episode, rewards, metrics, check_adapter=self.gate.adapter
+        )
         # Fail closed: a replica whose tool workers cannot build the python tool's sandbox
         # does not start (SandboxUnavailable names what is missing and the setting to change).
         self.tool_isolation = await self.episodes.start_tools()

@@ -132,10 +132,19 @@ class SyncGate:
 
     def adapter(self, name: str, field: str = "adapter") -> ServedAdapter:
         """The newest committed version of LoRA adapter ``name`` this replica serves;
-        :class:`InvalidRequestError` on ``field`` when none was published."""
+        :class:`InvalidRequestError` on ``field`` when none was published,
+        :class:`NotServingError` when it is committed but not loadable here."""
         adapters = self.sync.adapters
         if adapters is None:
             raise InvalidRequestError(field, f"{name!r}: no adapter can be published here (weight sync is disabled, sync.enabled: false)")
+        unavailable = adapters.unavailable.get(name)
+        if unavailable is not None:
+            # Committed, but not loadable here (see rollout.sync.store): refused before any
+            # work, retryably (other replicas serve it), rather than serve an older version.
+            raise NotServingError(
+                f"replica {self.replica_id}: LoRA adapter {name!r} version {unavailable} is committed but not loaded here (the weight-sync "
+                "coordinator restarted and holds no copy of it to load from); replicas that hold it serve it, and its next publish loads it here"
+            )
         served = adapters.get(name)
         if served is None:
             published = ", ".join(sorted(adapters.versions())) or "none"

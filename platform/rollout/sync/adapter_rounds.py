@@ -31,13 +31,21 @@ class AdapterRounds:
 
     async def catch_up(self) -> None:
         """Load every committed adapter this replica does not serve at that version
-        (catch-up: a replica that starts later, or missed a round)."""
-        for adapter in await self.coordinator.adapters(self.replica_id):
+        (catch-up: a replica that starts later, or missed a round); mark those the
+        coordinator holds no copy of as unavailable here (see rollout.sync.store)."""
+        committed = await self.coordinator.adapters(self.replica_id)
+        for adapter in committed.copies:
             served = self.served.get(adapter.name)
             if served is not None and served.version >= adapter.version:
                 continue
             await self.served.commit(await self.served.stage(adapter))
             logger.info("replica %s: loaded adapter %s version %d", self.replica_id, adapter.name, adapter.version)
+        for held in committed.without_copy:
+            served = self.served.get(held.name)
+            if served is None or served.version < held.version:
+                # Learned back by a restarted coordinator, which holds no bytes of it: served
+                # by the replicas that hold it, refused here until its next publish.
+                self.served.not_loadable(held)
 
     async def run(self, plan: AdapterRound) -> None:
         """Stage the round's adapter beside the served ones, report, and serve it only on

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 from rollout.errors import InvalidRequestError
-from rollout.sync.protocol import Adapter, AdapterRequest, ParamSpec
+from rollout.sync.protocol import Adapter, AdapterRequest, HeldAdapter, ParamSpec
 
 if TYPE_CHECKING:
     import torch
@@ -278,6 +278,13 @@ class ServedAdapters:
         self.served: dict[str, ServedAdapter] = {}
         # The version each name served before its newest: kept on disk (see the module doc).
         self._previous: dict[str, ServedAdapter] = {}
+        # name -> the version an unload removed here (reported at registration, so a
+        # restarted coordinator continues the name's versions after it).
+        self._removed: dict[str, int] = {}
+        # name -> a committed version this replica could not load: its coordinator learned
+        # it back from other replicas after a restart and holds no copy (CommittedWeights).
+        # Requests naming it are refused, retryably, until its next publish loads it here.
+        self.unavailable: dict[str, int] = {}
         self._listeners: list[Callable[[str, Optional[ServedAdapter]], None]] = []
 
     def listen(self, served: Callable[[str, Optional[ServedAdapter]], None]) -> None:
@@ -293,6 +300,24 @@ class ServedAdapters:
 
     def versions(self) -> dict[str, int]:
         return {name: a.version for name, a in self.served.items()}
+
+    def held(self) -> tuple[HeldAdapter, ...]:
+        """What this replica reports at registration: each adapter it serves, and the
+        version of each that an unload removed (and none was served since)."""
+        return tuple(HeldAdapter(name, a.version) for name, a in self.served.items()) + tuple(
+            HeldAdapter(name, version, served=False) for name, version in self._removed.items()
+        )
+
+    def not_loadable(self, held: HeldAdapter) -> None:
+        """``held`` is committed but this replica cannot load it (no copy to load it from):
+        it refuses requests naming it until the next publish of it (not an older version's
+        tokens passed off as the committed one's)."""
+        self.unavailable[held.name] = held.version
+        logger.warning(
+            "replica %s: adapter %s version %d is committed, but the coordinator (restarted since) holds no copy of it: "
+            "requests naming it are refused here (retryably: replicas that hold it serve them) until its next publish",
+            self.replica_id, held.name, held.version,
+        )
 
     async def stage(self, adapter: Adapter) -> ServedAdapter:
         """Write ``adapter`` to a directory of its own, check its bytes, and load it into
@@ -323,6 +348,9 @@ class ServedAdapters:
         it leaves the engine (its files stay, for requests still running on it)."""
         before = self.served.get(staged.name)
         self.served[staged.name] = staged
+        self._removed.pop(staged.name, None)
+        if self.unavailable.get(staged.name, 0) <= staged.version:
+            self.unavailable.pop(staged.name, None)
         for listener in self._listeners:
             listener(staged.name, staged)
         if before is not None:
@@ -332,6 +360,10 @@ class ServedAdapters:
         """An unload committed: requests naming ``name`` are refused from now on; the
         version it served leaves the engine (its files stay for requests still running on it)."""
         before = self.served.pop(name, None)
+        unloadable = self.unavailable.pop(name, None)
+        removed = max(before.version if before is not None else 0, unloadable or 0)
+        if removed:
+            self._removed[name] = removed
         for listener in self._listeners:
             listener(name, None)
         if before is not None:

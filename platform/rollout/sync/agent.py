@@ -306,7 +306,8 @@ class SyncAgent:
         self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="rollout-sync-agent")
 
     async def _register(self) -> int:
-        committed = await self.coordinator.register(self.replica_id, self.ranks, self.version, self.params)
+        # With the adapters it serves: a restarted coordinator learns them back (rollout.sync.store).
+        committed = await self.coordinator.register(self.replica_id, self.ranks, self.version, self.params, self.adapters.held())
         self._heard_from_coordinator()
         self.committed = max(self.committed, committed)
         return committed

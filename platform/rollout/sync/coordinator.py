@@ -26,7 +26,7 @@ from rollout.config import PlatformConfig
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
 from rollout.sync.membership import Membership
-from rollout.sync.protocol import REREGISTER, Adapter, AdapterRemovalRound, AdapterRequest, AdapterRound, Control, FinishUpdate, FleetQuery, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
+from rollout.sync.protocol import REREGISTER, AdapterRemovalRound, AdapterRequest, AdapterRound, CommittedAdapters, Control, FinishUpdate, FleetQuery, HeldAdapter, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.sync.rounds import Rounds
 from rollout.sync.sessions import RouteSessions
 from rollout.sync.store import CommittedWeights
@@ -62,16 +62,19 @@ class WeightSyncCoordinator:
 
     # ---- replicas ------------------------------------------------------------------
 
-    async def register(self, replica_id: str, ranks: int, version: int, params: list[ParamSpec]) -> int:
+    async def register(self, replica_id: str, ranks: int, version: int, params: list[ParamSpec], adapters: tuple[HeldAdapter, ...] = ()) -> int:
         """A replica announces itself; returns the committed version it must serve.
 
         A restarted coordinator starts at version 0 and learns the committed version
-        back from the replicas, which keep it in their engines.
+        back from the replicas, which keep it in their engines; likewise the LoRA
+        adapters each serves (``adapters``, with the versions an unload removed): see
+        :meth:`CommittedWeights.learn_adapters`.
         """
         if self.metrics is not None and self._gauges_task is None:
             self._gauges_task = asyncio.get_running_loop().create_task(self._update_gauges())
         self.membership.register(replica_id, ranks, version, params)
         self.store.learn(version)
+        self.store.learn_adapters(replica_id, tuple(adapters))
         logger.info("replica %s registered at version %d (committed %d)", replica_id, version, self.store.version)
         return self.store.version
 
@@ -135,8 +138,9 @@ class WeightSyncCoordinator:
         lora = self.config.model.lora
         return await self.rounds.adapter(request, max_rank=lora.max_lora_rank, served_name=self.config.model.name, inplace=inplace)
 
-    async def adapters(self, replica_id: str) -> list[Adapter]:
-        """Every committed adapter, for a replica to load before its first request (catch-up).
+    async def adapters(self, replica_id: str) -> CommittedAdapters:
+        """Every committed adapter, for a replica to load before its first request (catch-up),
+        and those this coordinator learned back after a restart and holds no bytes of.
         Asked while an adapter round (or an unload) is undecided, it answers after the
         decision: a replica that registered too late to be a member still gets what that
         round commits (and never an adapter it removed)."""
@@ -144,7 +148,7 @@ class WeightSyncCoordinator:
         rnd = self.rounds.current
         if rnd is not None and isinstance(rnd.plan, (AdapterRound, AdapterRemovalRound)) and replica_id not in rnd.member_ids:
             await rnd.decided.wait()
-        return list(self.store.adapters.values())
+        return self.store.committed_adapters()
 
     async def restore(self, replica_id: str) -> Union[PullRound, ReloadRound]:
         """Open a round that brings one replica to the committed weights.
@@ -196,8 +200,11 @@ class WeightSyncCoordinator:
             "committed_digest": self.rounds.committed_digest(),
             **self.rounds.status(),
             "weight_copy_version": self.store.copy_version,
-            # name -> committed version of every published LoRA adapter
-            "adapters": {name: a.version for name, a in self.store.adapters.items()},
+            # name -> committed version of every published LoRA adapter, and those of them
+            # learned back from the replicas after a restart, with no copy here to load a
+            # replica that starts later from (until the next publish of each)
+            "adapters": self.store.adapter_versions(),
+            "adapters_without_copy": sorted(self.store.learned),
             "backend": self.backend,
         }
 

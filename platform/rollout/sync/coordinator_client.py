@@ -20,7 +20,7 @@ from rollout.errors import unwrap_remote
 from rollout.sync.protocol import Control, CoordinatorUnreachableError, SyncError
 
 if TYPE_CHECKING:
-    from rollout.sync.protocol import Adapter, AdapterRequest, ParamSpec, PushRound, Reregister, Round, RoundOutcome, RoundRequest, RouteCommand, SessionPlan, StorageRequest, StorageRound
+    from rollout.sync.protocol import AdapterRequest, CommittedAdapters, HeldAdapter, ParamSpec, PushRound, Reregister, Round, RoundOutcome, RoundRequest, RouteCommand, SessionPlan, StorageRequest, StorageRound
 
     NextRound = Union[Round, SessionPlan, Control, Reregister, None]
 
@@ -50,8 +50,8 @@ class CoordinatorHandle:
 
     # ---- replicas (the agent) ---------------------------------------------------------
 
-    async def register(self, replica_id: str, ranks: int, version: int, params: list[ParamSpec]) -> int:
-        return await _answer(self._handle.register.remote(replica_id, ranks, version, params))
+    async def register(self, replica_id: str, ranks: int, version: int, params: list[ParamSpec], adapters: tuple[HeldAdapter, ...] = ()) -> int:
+        return await _answer(self._handle.register.remote(replica_id, ranks, version, params, *_trailing(tuple(adapters) or None)))
 
     async def next_round(self, replica_id: str, version: int, control: Control = Control(), reset_ok: bool = True) -> NextRound:
         return await _answer(self._handle.next_round.remote(replica_id, version, control, reset_ok))
@@ -67,7 +67,7 @@ class CoordinatorHandle:
     async def applied(self, round_id: str, replica_id: str, version: int, phases: Optional[dict[str, float]] = None) -> None:
         return await _answer(self._handle.applied.remote(round_id, replica_id, version, phases))
 
-    async def adapters(self, replica_id: str) -> list[Adapter]:
+    async def adapters(self, replica_id: str) -> CommittedAdapters:
         return await _answer(self._handle.adapters.remote(replica_id))
 
     async def joined(self, session_id: str, replica_id: str, error: Optional[str]) -> None:

@@ -149,6 +149,29 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class HeldAdapter:
+    """One version of a LoRA adapter named without its bytes: what a replica reports at
+    registration (so a restarted coordinator learns its adapters back, as it learns the base
+    version), and what a coordinator tells a replica it cannot load from it."""
+
+    name: str
+    version: int
+    # False: an unload removed the adapter at ``version`` and no version of it is served
+    # (a later publish of the name must still continue after it: see CommittedWeights).
+    served: bool = True
+
+
+@dataclass(frozen=True)
+class CommittedAdapters:
+    """The committed adapters, as a replica catching up gets them: those the coordinator
+    holds the bytes of, and those it learned back from replicas after a restart and holds
+    no bytes of (served by the replicas that hold them until the next publish of each)."""
+
+    copies: tuple[Adapter, ...] = ()
+    without_copy: tuple[HeldAdapter, ...] = ()
+
+
+@dataclass(frozen=True)
 class AdapterRequest:
     """What a publisher asks for to publish a LoRA adapter (``publish_adapter``)."""
 

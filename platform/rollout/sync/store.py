@@ -17,6 +17,18 @@ It also keeps every committed LoRA adapter (:class:`~rollout.sync.protocol.Adapt
 its newest committed version, bytes included: a few MB each), which a replica that starts
 later loads before its first request, until an unload removes it. Adapters have versions
 of their own: an adapter round leaves the base version as it is.
+
+A restarted coordinator learns its adapters back from the replicas, as it learns the base
+version (:meth:`CommittedWeights.learn_adapters`): each registers with the adapters it
+serves (and the versions an unload removed), so the next publish of a name continues after
+the newest version any replica holds (each version's vLLM LoRA name, "math@2", keys the
+replicas' prefix caches: a reused number would serve another version's KV), and status lists
+them. It holds no bytes of a learned adapter: a replica that starts later cannot load it, and
+is told so (:class:`~rollout.sync.protocol.CommittedAdapters`): it serves the adapters it
+could load and refuses requests naming that one, retryably, until its next publish (see
+:meth:`~rollout.sync.adapters.ServedAdapters.unavailable`). Waiting for that publish
+instead would keep the replica from serving the base model and every other adapter for as
+long as no trainer publishes that one.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from rollout.errors import InvalidRequestError
 from rollout.sync import net
 from rollout.sync.backends import get_backend
 from rollout.sync.net import PortRange
-from rollout.sync.protocol import RESTORE_ROUNDS, Adapter, AdapterRemovalRound, AdapterRound, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
+from rollout.sync.protocol import RESTORE_ROUNDS, Adapter, AdapterRemovalRound, CommittedAdapters, HeldAdapter, AdapterRound, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +87,70 @@ class CommittedWeights:
         self._offered: dict[str, tuple[str, str]] = {}
         self._checkpoint: Optional[tuple[int, str, str]] = None  # (version, directory, manifest id) of the last commit that named one
         self._copy: Optional[asyncio.Task] = None  # the keeper receiving the last commit's copy
-        # name -> the committed version of each published adapter. Like the base version, a
-        # restarted coordinator holds none until the next publish of each.
+        # name -> the committed version of each adapter published to this coordinator.
         self.adapters: dict[str, Adapter] = {}
-        # name -> the version an unload removed: a later publish of the name continues after
-        # it, since each version's vLLM LoRA name ("math@2") keys the replicas' prefix caches.
+        # name -> the committed version of each adapter learned back from the replicas after
+        # a restart (learn_adapters), whose bytes this coordinator does not hold: until the
+        # next publish of each. A name is here or in ``adapters``, never both.
+        self.learned: dict[str, int] = {}
+        # name -> the version an unload removed (here, or on the replicas before a restart):
+        # a later publish of the name continues after it, since each version's vLLM LoRA name
+        # ("math@2") keys the replicas' prefix caches. Also the newest version a replica
+        # reported above the one held here (see learn_adapters).
         self._removed: dict[str, int] = {}
 
     def adapter_version(self, name: str) -> int:
         """The committed version of adapter ``name`` (0: none committed)."""
         held = self.adapters.get(name)
-        return held.version if held is not None else 0
+        return held.version if held is not None else self.learned.get(name, 0)
+
+    def adapter_versions(self) -> dict[str, int]:
+        """name -> committed version of every committed adapter, learned ones included."""
+        return {**self.learned, **{name: a.version for name, a in self.adapters.items()}}
+
+    def committed_adapters(self) -> CommittedAdapters:
+        """What a replica catching up loads, and what it cannot (learned, no bytes here)."""
+        return CommittedAdapters(
+            copies=tuple(self.adapters.values()), without_copy=tuple(HeldAdapter(name, version) for name, version in self.learned.items())
+        )
+
+    def learn_adapters(self, replica_id: str, held: tuple[HeldAdapter, ...]) -> None:
+        """Replica ``replica_id`` holds these adapter versions, committed by this coordinator
+        or one before it (a restart): learn the newest of each. Never a version this
+        coordinator knows an unload removed, or one older than it holds; the replica that
+        lags behind one held here loads it at catch-up."""
+        for h in held:
+            if not h.served:
+                if h.version > self._removed.get(h.name, 0):
+                    self._removed[h.name] = h.version
+                if 0 < self.learned.get(h.name, 0) <= h.version:
+                    # Another replica still serves it (it missed the unload): the unload committed.
+                    del self.learned[h.name]
+                    logger.info("replica %s: adapter %s was unloaded at version %d; not committed", replica_id, h.name, h.version)
+                continue
+            if h.version <= self._removed.get(h.name, 0):
+                continue  # removed, or superseded by a version a replica reported
+            copy = self.adapters.get(h.name)
+            if copy is not None:
+                if h.version > copy.version:
+                    # Committed by a coordinator before this one, which then restarted and
+                    # published the name again before this replica registered. The version
+                    # published here stays committed (the newest publish); the next one goes
+                    # past both, so no number names two versions from here on.
+                    self._removed[h.name] = h.version
+                    logger.warning(
+                        "replica %s serves adapter %s version %d, newer than the committed version %d (published after a "
+                        "coordinator restart): it serves its version until the next publish of %s, which continues after %d",
+                        replica_id, h.name, h.version, copy.version, h.name, h.version,
+                    )
+                continue
+            if h.version > self.learned.get(h.name, 0):
+                self.learned[h.name] = h.version
+                logger.info(
+                    "learned adapter %s version %d from replica %s: committed before this coordinator started; no copy is "
+                    "held here until its next publish, so replicas that start before then serve it only where loaded",
+                    h.name, h.version, replica_id,
+                )
 
     def last_adapter_version(self, name: str) -> int:
         """The newest version adapter ``name`` ever had here (committed or removed since)."""
@@ -165,9 +230,10 @@ class CommittedWeights:
         if isinstance(plan, AdapterRound):
             if committed:
                 self.adapters[plan.adapter.name] = plan.adapter
+                self.learned.pop(plan.adapter.name, None)
             return  # the base weights, and what holds them, are as they were
         if isinstance(plan, AdapterRemovalRound):
-            if committed and self.adapters.pop(plan.name, None) is not None:
+            if committed and (self.adapters.pop(plan.name, None), self.learned.pop(plan.name, None)) != (None, None):
                 self._removed[plan.name] = plan.version
             return
         checkpoint = self._offered.pop(plan.round_id, None)
