@@ -63,7 +63,7 @@ def test_an_episode_id_names_its_replica_and_the_router_pins_to_it():
     assert AffinityRouter._pinned(Pending({"prompt": "x"})) is None
 
 
-async def test_an_episode_names_an_adapter_each_turn_takes_its_newest_committed_version_and_an_unknown_one_is_refused(model_dir, tokenizer):
+async def test_an_episode_names_an_adapter_each_turn_takes_its_newest_committed_version_and_an_unknown_or_unloaded_one_is_refused(model_dir, tokenizer):
     from rollout.api import EpisodeRef, EpisodeStart, EpisodeTurn, Sample, SamplingConfig, WeightVersionSpan
     from rollout.config import PlatformConfig, SyncConfig
     from rollout.engine.episode_service import EpisodeService
@@ -102,6 +102,13 @@ async def test_an_episode_names_an_adapter_each_turn_takes_its_newest_committed_
         first, second = traj.turns
         assert [(sp.adapter, sp.adapter_version, sp.start, sp.end) for sp in first.weight_versions] == [("math", 2, first.start, first.end)]
         assert [(sp.adapter, sp.adapter_version, sp.start, sp.end) for sp in second.weight_versions] == [("math", 3, second.start, second.end)]
+
+        unloaded = service.start(EpisodeStart(messages=opening, adapter="math"))
+        del agent.adapters.served["math"]  # an unload committed before the episode's first turn
+        with pytest.raises(InvalidRequestError) as e:
+            await service.turn(EpisodeTurn(episode_id=unloaded.episode_id, sampling=SamplingConfig(max_tokens=2)))
+        assert e.value.field == "episode_id" and "LoRA adapter 'math', which is no longer served" in e.value.message, e.value
+        assert len(sent) == 2, "refused before any sampling"
 
         base = service.start(EpisodeStart(messages=opening))
         await service.turn(EpisodeTurn(episode_id=base.episode_id, sampling=SamplingConfig(max_tokens=2)))

@@ -122,6 +122,15 @@ class EpisodeService:
             raise InvalidRequestError("episode_id", f"episode {turn.episode_id} has had its {episode.max_turns} turns (max_turns)")
         if turn.messages and not episode.turns:
             raise InvalidRequestError("messages", "the first turn takes none: the opening messages were rendered when the episode started")
+        if episode.adapter is not None:
+            try:
+                self._check_adapter(episode.adapter, "adapter")
+            except InvalidRequestError as e:
+                # The turn names no adapter: its episode does (EpisodeStart.adapter), and an
+                # unload removed it since. Said as the episode's, on the field the turn sent.
+                raise InvalidRequestError(
+                    "episode_id", f"episode {turn.episode_id} generates with LoRA adapter {episode.adapter!r}, which is no longer served: {e.message}; start a new episode"
+                ) from e
         plan = self._plan(episode, turn)
         messages = episode.pending + [m.model_dump(exclude_none=True) for m in turn.messages]
         schemas = [t.openai() for t in episode.tools] or None
