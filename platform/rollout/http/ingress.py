@@ -107,7 +107,6 @@ class HttpIngress(VllmRlRoutes):
     def __init__(self, engine_handle, config: dict[str, Any], coordinator_handle=None):
         show_platform_logs()
         self.config = PlatformConfig.model_validate(config)
-        self.engine_handle = engine_handle
         self.engine = HandleTransport(engine_handle, self.config.deployment.client_batch_size)
         self.coordinator = CoordinatorHandle(coordinator_handle) if coordinator_handle is not None else None
         self.model_name = self.config.model.name
