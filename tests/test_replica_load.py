@@ -165,6 +165,27 @@ async def test_the_router_ranks_replicas_by_their_reported_load():
     assert [r.replica_id.unique_id for (r,) in ranked] == ["idle", "busy", "starting"]
 
 
+async def test_a_retry_avoiding_the_replica_that_refused_it_goes_first_to_another_whatever_its_affinity():
+    router = object.__new__(AffinityRouter)
+    router.initialize_state(max_imbalance=0.25)
+    replicas = [
+        SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats=ReplicaLoad(replica_id=rid, running=1, max_num_seqs=8).to_routing_stats())
+        for rid in ("a", "b", "c")
+    ]
+
+    def pending(**kwargs):
+        return SimpleNamespace(args=[{"session_id": "s-1"}], kwargs=kwargs)
+
+    async def order(request) -> list[str]:
+        return [r.replica_id.unique_id for (r,) in await router.choose_replicas(replicas, request)]
+
+    preferred = (await order(pending()))[0]
+    assert (await order(pending(avoid_replica=None)))[0] == preferred, "the same key keeps its replica"
+    avoided = await order(pending(avoid_replica=preferred))
+    assert avoided[-1] == preferred and sorted(avoided) == ["a", "b", "c"]
+    assert await order(pending(avoid_replica="gone")) == await order(pending())
+
+
 # ---- metrics and ``rollout status`` ------------------------------------------------
 
 

@@ -132,6 +132,35 @@ async def test_an_openai_route_is_in_flight_until_its_body_is_sent_and_names_the
     assert headers["x-rollout-weight-version"] == "default" and headers["x-rollout-replica"] == "r" and "content-length" not in headers
 
 
+async def test_an_openai_request_naming_an_adapter_committed_but_not_loaded_here_is_refused_retryably_before_the_app():
+    from rollout.sync.adapters import ServedAdapters
+
+    agent = NoSync()
+    agent.adapters = ServedAdapters(None, "r")
+    agent.adapters.unavailable["math"] = 2  # learned back by a restarted coordinator, no copy to load
+    r = replica(agent=agent)
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    r.openai_app = app
+
+    def call(body: bytes):
+        return r.openai_http({}, ForwardedRequest("POST", "/v1/completions", "", (), body))
+
+    with pytest.raises(NotServingError, match="'math' version 2 is committed but not loaded here") as e:
+        await call(b'{"model": "math", "prompt": "x"}').__anext__()
+    assert e.value.replica_id == "r" and reached == [] and r.admission.inflight.count == 0
+    # Any other model (the base model, a name vLLM answers its own 404 for) and a body
+    # that is not JSON reach vLLM's app as they are.
+    for body in (b'{"model": "other", "prompt": "x"}', b"not json", b'{"model": 3}'):
+        assert (await call(body).__anext__())["status"] == 404
+    assert len(reached) == 3
+
+
 async def test_without_weight_sync_a_replica_serves_version_0_and_refuses_a_newer_one_at_once():
     r = replica(sync={"max_staleness": 1})
     assert (r.gate.held, r.gate.version, r.gate.known_committed) == (False, 0, 0)

@@ -455,3 +455,74 @@ def test_what_replicas_report_is_learned_whatever_order_they_register_in(model_d
         assert store.adapter_versions() == {"math": 2}, order
         assert store.committed_adapters().without_copy == (HeldAdapter("math", 2),)
         assert (store.last_adapter_version("math"), store.last_adapter_version("code")) == (2, 3)
+
+
+# ---- a replica that missed rounds serves exactly the committed adapters once back ---------
+
+
+def silent(coordinator, agent: SyncAgent) -> None:
+    """``agent`` stops polling and the coordinator's silence horizon has passed for it: the
+    next round drops it from membership (as a replica whose node stalled)."""
+    agent.stop()
+    coordinator.membership.replicas[agent.replica_id].last_seen -= 3600
+
+
+async def back(agent: SyncAgent, want: dict[str, int]) -> None:
+    """``agent`` polls again: told to register again (it was dropped), it does and catches up."""
+    agent._task = asyncio.get_running_loop().create_task(agent._poll_forever())
+    async with asyncio.timeout(10):
+        while served(agent) != want:
+            await asyncio.sleep(0.02)
+
+
+async def test_a_replica_that_missed_an_unload_unloads_it_when_it_registers_again(model_dir, caplog):
+    from rollout.config import SyncConfig
+    from rollout.engine.sync_gate import SyncGate
+    from rollout.sync.protocol import HeldAdapter, UnloadAdapter
+
+    coordinator = coordinator_for(model_dir)
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        for seed, name in ((0, "math"), (1, "code")):
+            assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, seed, name=name)), 10)).committed
+        math_id = b.adapters.get("math").lora_id
+        seen: list[tuple[str, object]] = []
+        b.adapters.listen(lambda name, adapter: seen.append((name, adapter and adapter.version)))
+        silent(coordinator, b)
+        outcome = await asyncio.wait_for(coordinator.drive(None, UnloadAdapter("math")), 10)
+        assert outcome.committed and set(coordinator.membership.replicas) == {"a"}, outcome
+        assert served(a) == {"code": 1} and served(b) == {"math": 1, "code": 1}, "b missed the unload"
+
+        with caplog.at_level("WARNING", logger="rollout.sync.agent"):
+            await back(b, {"code": 1})
+        assert math_id not in b.engine.loaded and seen[-1] == ("math", None), "out of the engine and vLLM's OpenAI map"
+        assert any("unloaded adapter math version 1: not committed" in r.getMessage() for r in caplog.records)
+        with pytest.raises(InvalidRequestError, match="not a published LoRA adapter"):
+            SyncGate.over(b, SyncConfig(), "b").adapter("math")
+        # A restarted coordinator learns from it that math was removed at 1, as from a.
+        assert HeldAdapter("math", 1, served=False) in b.adapters.held()
+        outcome = await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 2)), 10)
+        assert outcome.version == 2 and served(a) == served(b) == {"code": 1, "math": 2}
+
+
+async def test_a_replica_behind_a_learned_adapter_it_cannot_load_stops_serving_its_older_version(model_dir):
+    from rollout.config import SyncConfig
+    from rollout.engine.sync_gate import SyncGate
+    from rollout.errors import NotServingError
+
+    coordinator = coordinator_for(model_dir)
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 0)), 10)).committed
+        old_id = b.adapters.get("math").lora_id
+        silent(coordinator, b)
+        assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 1)), 10)).version == 2
+        assert served(a) == {"math": 2} and served(b) == {"math": 1}, "b missed version 2"
+
+        # The coordinator restarts; a registers (math@2 learned, no copy), then b comes back.
+        fresh = await restarted(coordinator, model_dir, [a])
+        b.coordinator._handle.coordinator = fresh
+        await back(b, {})
+        assert b.adapters.unavailable == {"math": 2} and old_id not in b.engine.loaded
+        with pytest.raises(NotServingError, match="'math' version 2 is committed but not loaded here"):
+            SyncGate.over(b, SyncConfig(), "b").adapter("math")
+        outcome = await asyncio.wait_for(fresh.publish_adapter(None, request(model_dir, 2)), 10)
+        assert outcome.version == 3 and served(a) == served(b) == {"math": 3} and b.adapters.unavailable == {}

@@ -61,8 +61,17 @@ class StaleWeightsError(EngineUnavailableError):
 
 
 class NotServingError(EngineUnavailableError):
-    """The replica is up but holds no weights it can serve (it waits for the next publish):
-    refused before any work, so another replica may take the call."""
+    """The replica is up but cannot serve the call (it waits for the next publish, or the
+    LoRA adapter it names is committed but not loaded there): refused before any work, so
+    another replica may take the call. ``replica_id`` names the replica that refused it
+    (Serve's id, which the router ranks by), so the retry can go elsewhere."""
+
+    def __init__(self, message: str, replica_id: Optional[str] = None):
+        self.replica_id = replica_id
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.replica_id))
 
 
 class ReplicaLostError(EngineUnavailableError):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar
 
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
 from rollout.batching import fan_out
 from rollout.client.transport import DEFAULT_TIMEOUT_S
 from rollout.engine.load import ReplicaLoad
-from rollout.errors import EngineUnavailableError, ReplicaLostError, as_overloaded, replica_lost, unwrap_remote
+from rollout.engine.openai_app import ForwardedRequest
+from rollout.errors import EngineUnavailableError, NotServingError, ReplicaLostError, as_overloaded, replica_lost, unwrap_remote
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,14 @@ class HandleTransport:
             return ReplicaLostError(f"the engine replica serving the request died: {cause}", tokens_so_far)
         return as_overloaded(cause)
 
-    def _retrying(self, what: str, e: BaseException) -> None:
-        # Serve's router has marked the dead replica; the retry goes to another one.
+    def _retrying(self, what: str, e: BaseException) -> Optional[str]:
+        """Log the retry of a call ``e`` ended; the replica to avoid (the one that refused
+        it: the router would rank it first again for the same affinity key). A dead one
+        Serve's router has marked already."""
         self.retried_calls += 1
         logger.warning("%s: its engine replica died or refused it before returning a token (%s); retrying once on another replica", what, type(unwrap_remote(e)).__name__)
+        cause = unwrap_remote(e)
+        return cause.replica_id if isinstance(cause, NotServingError) else None
 
     @classmethod
     def from_app(cls, app_name: str, deployment: str, batch_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "HandleTransport":
@@ -59,15 +64,16 @@ class HandleTransport:
         return cls(serve.get_deployment_handle(deployment, app_name=app_name), batch_size, timeout_s)
 
     async def _call(self, chunk: Sequence[RolloutRequest], offset: int) -> list[RolloutResult]:
+        avoid = None
         for attempt in (1, 2):
             try:
-                return await self._within_deadline(self._handle.generate.remote(list(chunk), offset), f"requests[{offset}:{offset + len(chunk)}]")
+                return await self._within_deadline(self._handle.generate.remote(list(chunk), offset, avoid_replica=avoid), f"requests[{offset}:{offset + len(chunk)}]")
             except _ClientDeadline:
                 raise
             except Exception as e:
                 # Nothing of a unary call reached the caller: sampling it again elsewhere is safe.
                 if attempt == 1 and replica_lost(e):
-                    self._retrying(f"requests[{offset}:{offset + len(chunk)}]", e)
+                    avoid = self._retrying(f"requests[{offset}:{offset + len(chunk)}]", e)
                     continue
                 raise self._typed(e) from None
         raise AssertionError("unreachable")
@@ -96,8 +102,9 @@ class HandleTransport:
 
     async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
         sent: dict[int, list[int]] = {}  # sample index -> token ids already yielded
+        avoid = None
         for attempt in (1, 2):
-            gen = self._stream_handle.generate_stream.remote(request)
+            gen = self._stream_handle.generate_stream.remote(request, avoid_replica=avoid)
             chunks = gen.__aiter__()
             try:
                 while True:
@@ -112,12 +119,37 @@ class HandleTransport:
             except Exception as e:
                 # Only a stream that yielded nothing may start over: tokens already out can't be unsent.
                 if attempt == 1 and not sent and replica_lost(e):
-                    self._retrying(f"stream {request.request_id}", e)
+                    avoid = self._retrying(f"stream {request.request_id}", e)
                     continue
                 raise self._typed(e, sent) from None
             finally:
                 # Leaving early (break, cancel) must abort the request in the engine.
                 gen.cancel()
+
+    async def openai(self, hint: dict, request: ForwardedRequest) -> tuple[dict, AsyncIterator[Any]]:
+        """An OpenAI route on the replica the router picks (``hint``: what it keys on):
+        the answer's ``{"status", "headers"}`` and an iterator of its body's chunks. Like
+        :meth:`generate`, a call whose replica died or refused it before answering
+        (:class:`NotServingError`: e.g. the adapter its ``model`` names is committed but
+        not loaded there) is retried once on another replica: nothing reached the caller.
+        No deadline of its own: vLLM's app answers the request's own limits."""
+        avoid = None
+        for attempt in (1, 2):
+            parts = self._stream_handle.openai_http.remote(hint, request, avoid_replica=avoid)
+            try:
+                start = await parts.__anext__()
+            except Exception as e:
+                if attempt == 1 and replica_lost(e):
+                    avoid = self._retrying(f"{request.method} {request.path}", e)
+                    continue
+                raise self._typed(e) from None
+
+            async def rest() -> AsyncIterator[Any]:
+                async for chunk in parts:
+                    yield chunk
+
+            return start, rest()
+        raise AssertionError("unreachable")
 
     async def stats(self) -> ReplicaLoad:
         """The load of the replica Serve's router picks for this call."""

@@ -206,6 +206,19 @@ def _with_version(start: dict, version: str, replica_id: str) -> dict:
     return {"status": start["status"], "headers": headers + [("x-rollout-weight-version", version), ("x-rollout-replica", replica_id)]}
 
 
+def requested_model(body: bytes) -> Optional[str]:
+    """The ``model`` a request's JSON body names (the served model or a LoRA adapter's
+    name), or None: no body, not JSON, or no such field (vLLM answers those itself)."""
+    import json
+
+    try:
+        payload = json.loads(body) if body else None
+    except ValueError:
+        return None
+    model = payload.get("model") if isinstance(payload, dict) else None
+    return model if isinstance(model, str) else None
+
+
 def routing_hint(path: str, body: bytes, session_id: Optional[str]) -> dict:
     """What the affinity router keys on: the session header, else the prompt's prefix."""
     import json

@@ -140,8 +140,9 @@ class RolloutEngine:
 
     # ---- generation -------------------------------------------------------------
 
-    async def generate(self, requests: Sequence[Any], offset: int = 0) -> list[RolloutResult]:
+    async def generate(self, requests: Sequence[Any], offset: int = 0, avoid_replica: Optional[str] = None) -> list[RolloutResult]:
         """Run a batch of requests concurrently; results come back in request order.
+        (``avoid_replica`` is for the router: a replica that refused the call before.)
 
         Raises :class:`InvalidRequestError` (naming ``requests[i].field``) before any
         engine work when a request is invalid; ``offset`` is the index of ``requests[0]``
@@ -209,8 +210,9 @@ class RolloutEngine:
         outcomes = await asyncio.gather(*(self.rewards.score(scorer, s.text or "") for s in samples))
         return [s.model_copy(update=o.fields()) for s, o in zip(samples, outcomes)]
 
-    async def generate_stream(self, request: Any) -> AsyncIterator[RolloutChunk]:
-        """Stream one request's tokens as they are produced (``n`` samples interleaved)."""
+    async def generate_stream(self, request: Any, avoid_replica: Optional[str] = None) -> AsyncIterator[RolloutChunk]:
+        """Stream one request's tokens as they are produced (``n`` samples interleaved).
+        (``avoid_replica`` is for the router: a replica that refused the call before.)"""
         from rollout.engine.convert import to_chunk
 
         self._raise_if_not_serving()
@@ -252,17 +254,23 @@ class RolloutEngine:
                 async for out in outputs:
                     yield out
 
-    async def openai_http(self, route_hint: dict, request: Any) -> AsyncIterator[Any]:
+    async def openai_http(self, route_hint: dict, request: Any, avoid_replica: Optional[str] = None) -> AsyncIterator[Any]:
         """An OpenAI route through vLLM's own server: ``{"status", "headers"}``, then the
-        body's chunks. ``route_hint`` is for the router (session, prompt prefix) only.
+        body's chunks. ``route_hint`` and ``avoid_replica`` are for the router (session,
+        prompt prefix; a replica that refused the call before) only.
 
         The ``X-Rollout-Weight-Version`` header names the version this replica served when
         the response started; a non-streaming response that spans a weight update says
         ``<first>-<last>``. ``X-Rollout-Replica`` names the replica.
         """
-        from rollout.engine.openai_app import forward
+        from rollout.engine.openai_app import forward, requested_model
 
         self._raise_if_not_serving()
+        model = requested_model(request.body)
+        if model is not None:
+            # vLLM would answer its 404 (not retryable) for an adapter committed but not
+            # loaded here: refused as the token API refuses it, retryably, before any work.
+            self.gate.raise_if_adapter_unavailable(model)
         with self.admission.inflight.counted(1):
             async with contextlib.aclosing(forward(self.openai_app, request, self._weight_version_label, self.replica_id)) as parts:
                 async for part in parts:

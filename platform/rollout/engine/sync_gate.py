@@ -137,19 +137,26 @@ class SyncGate:
         adapters = self.sync.adapters
         if adapters is None:
             raise InvalidRequestError(field, f"{name!r}: no adapter can be published here (weight sync is disabled, sync.enabled: false)")
-        unavailable = adapters.unavailable.get(name)
-        if unavailable is not None:
-            # Committed, but not loadable here (see rollout.sync.store): refused before any
-            # work, retryably (other replicas serve it), rather than serve an older version.
-            raise NotServingError(
-                f"replica {self.replica_id}: LoRA adapter {name!r} version {unavailable} is committed but not loaded here (the weight-sync "
-                "coordinator restarted and holds no copy of it to load from); replicas that hold it serve it, and its next publish loads it here"
-            )
+        self.raise_if_adapter_unavailable(name)
         served = adapters.get(name)
         if served is None:
             published = ", ".join(sorted(adapters.versions())) or "none"
             raise InvalidRequestError(field, f"{name!r} is not a published LoRA adapter (published: {published})")
         return served
+
+    def raise_if_adapter_unavailable(self, name: str) -> None:
+        """:class:`NotServingError` when LoRA adapter ``name`` is committed but not loadable
+        here (see rollout.sync.store): refused before any work, retryably (other replicas
+        serve it), rather than serve an older version. Any other name passes (the OpenAI
+        path leaves it to vLLM: the base model, or its own 404 for an unknown one)."""
+        adapters = self.sync.adapters
+        unavailable = adapters.unavailable.get(name) if adapters is not None else None
+        if unavailable is not None:
+            raise NotServingError(
+                f"replica {self.replica_id}: LoRA adapter {name!r} version {unavailable} is committed but not loaded here (the weight-sync "
+                "coordinator restarted and holds no copy of it to load from); replicas that hold it serve it, and its next publish loads it here",
+                self.replica_id,
+            )
 
     def check_adapters(self, prepared: Prepared, offset: int = 0) -> None:
         """Refuse a batch naming an adapter that was not published, before any engine work."""
@@ -165,7 +172,7 @@ class SyncGate:
         """Alive but waiting for the next publish: its health check passes; its requests
         are refused at once, retryably."""
         if self.sync.awaiting_publish:
-            raise NotServingError(f"replica {self.replica_id}: {self.sync.awaiting_publish}")
+            raise NotServingError(f"replica {self.replica_id}: {self.sync.awaiting_publish}", self.replica_id)
 
     async def admit(self, prepared: Prepared, offset: int = 0) -> None:
         """Hold a batch until this replica serves the policy version it needs: the

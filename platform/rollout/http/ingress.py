@@ -16,7 +16,7 @@ from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, E
 from rollout.client.handle import HandleTransport
 from rollout.config import PlatformConfig
 from rollout.engine.load import ReplicaLoad
-from rollout.errors import EngineUnavailableError, InvalidRequestError, RolloutError, as_overloaded, loc_to_field, unwrap_remote
+from rollout.errors import EngineUnavailableError, InvalidRequestError, RolloutError, loc_to_field
 from rollout.logs import show_platform_logs
 from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.sync.auth import SYNC_TOKEN_HEADER, AccessPolicy, Operation, SyncAuth
@@ -107,7 +107,6 @@ class HttpIngress(VllmRlRoutes):
     def __init__(self, engine_handle, config: dict[str, Any], coordinator_handle=None):
         show_platform_logs()
         self.config = PlatformConfig.model_validate(config)
-        self.engine_handle = engine_handle
         self.engine = HandleTransport(engine_handle, self.config.deployment.client_batch_size)
         self.coordinator = CoordinatorHandle(coordinator_handle) if coordinator_handle is not None else None
         self.model_name = self.config.model.name
@@ -186,17 +185,10 @@ class HttpIngress(VllmRlRoutes):
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in ("authorization", "host", SYNC_TOKEN_HEADER.lower()))
         forwarded = ForwardedRequest(request.method, path, request.url.query, headers, body)
         hint = routing_hint(path, body, request.headers.get(SESSION_HEADER))
-        parts = self.engine_handle.options(stream=True).openai_http.remote(hint, forwarded)
-        try:
-            start = await parts.__anext__()
-        except Exception as e:
-            raise as_overloaded(unwrap_remote(e)) from None
-
-        async def rest():
-            async for chunk in parts:
-                yield chunk
-
-        return StreamingResponse(rest(), status_code=start["status"], headers=dict(start["headers"]))
+        # Retried once on another replica when the first refused it before answering, as
+        # the token routes are (HandleTransport).
+        start, rest = await self.engine.openai(hint, forwarded)
+        return StreamingResponse(rest, status_code=start["status"], headers=dict(start["headers"]))
 
     # vLLM's OpenAI routes, answered by one replica's own OpenAI app: one handler, so
     # every route gets the same key check, routing and headers.

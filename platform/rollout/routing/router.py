@@ -62,6 +62,16 @@ class AffinityRouter(RequestRouter):
         episode_id = first.get("episode_id") if isinstance(first, dict) else getattr(first, "episode_id", None)
         return replica_of(episode_id) if isinstance(episode_id, str) else None
 
+    @staticmethod
+    def _avoided(pending_request: Optional[PendingRequest]) -> Optional[str]:
+        """The replica a retried call names as having refused it (``avoid_replica``,
+        :class:`~rollout.errors.NotServingError`'s ``replica_id``): ranked last, so the
+        retry goes to another replica where one can take it, affinity or not."""
+        if pending_request is None or not pending_request.kwargs:
+            return None
+        avoid = pending_request.kwargs.get("avoid_replica")
+        return avoid if isinstance(avoid, str) else None
+
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
@@ -73,5 +83,8 @@ class AffinityRouter(RequestRouter):
         # (A pinned replica that is gone: any replica answers EpisodeLostError.)
         loads = [ReplicaLoad.from_routing_stats(rid, r.routing_stats) for rid, r in by_id.items()]
         ranked = rank(self._key(pending_request), loads, self.max_imbalance)
+        avoid = self._avoided(pending_request)
+        if avoid in by_id:
+            ranked = [rid for rid in ranked if rid != avoid] + [avoid]
         # One replica per rank: Serve tries them in order if one is at max_ongoing_requests.
         return [[by_id[rid]] for rid in ranked]

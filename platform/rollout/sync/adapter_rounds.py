@@ -30,13 +30,26 @@ class AdapterRounds:
         self.version = version  # the weight version the replica serves, for ``applied``
 
     async def catch_up(self) -> None:
-        """Load every committed adapter this replica does not serve at that version
-        (catch-up: a replica that starts later, or missed a round); mark those the
+        """Serve exactly the committed adapters (catch-up: a replica that starts later, or
+        re-registers after it missed rounds): unload each one it serves that is no longer
+        committed (an unload ran while the coordinator had dropped it as silent), load
+        every committed one it does not serve at that version, and mark those the
         coordinator holds no copy of as unavailable here (see rollout.sync.store)."""
         committed = await self.coordinator.adapters(self.replica_id)
+        names = {a.name for a in committed.copies} | {h.name for h in committed.without_copy}
+        for name, version in sorted({**self.served.unavailable, **self.served.versions()}.items()):
+            if name not in names:
+                # Without this a missed unload would leave it served here for good: catch-up
+                # only loads, and the coordinator sends no second unload round.
+                await self.served.remove(name)
+                logger.warning(
+                    "replica %s: unloaded adapter %s version %d: not committed (an unload committed while this replica was "
+                    "not a member); requests naming it are refused here, as on every replica", self.replica_id, name, version,
+                )
         for adapter in committed.copies:
             served = self.served.get(adapter.name)
             if served is not None and served.version >= adapter.version:
+                # Newer than the committed copy: see CommittedWeights.learn_adapters.
                 continue
             await self.served.commit(await self.served.stage(adapter))
             logger.info("replica %s: loaded adapter %s version %d", self.replica_id, adapter.name, adapter.version)
@@ -45,7 +58,7 @@ class AdapterRounds:
             if served is None or served.version < held.version:
                 # Learned back by a restarted coordinator, which holds no bytes of it: served
                 # by the replicas that hold it, refused here until its next publish.
-                self.served.not_loadable(held)
+                await self.served.not_loadable(held)
 
     async def run(self, plan: AdapterRound) -> None:
         """Stage the round's adapter beside the served ones, report, and serve it only on

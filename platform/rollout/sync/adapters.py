@@ -308,15 +308,22 @@ class ServedAdapters:
             HeldAdapter(name, version, served=False) for name, version in self._removed.items()
         )
 
-    def not_loadable(self, held: HeldAdapter) -> None:
+    async def not_loadable(self, held: HeldAdapter) -> None:
         """``held`` is committed but this replica cannot load it (no copy to load it from):
         it refuses requests naming it until the next publish of it (not an older version's
-        tokens passed off as the committed one's)."""
+        tokens passed off as the committed one's). An older version it serves leaves the
+        engine and vLLM's OpenAI map too (its ``model`` would otherwise still run it)."""
         self.unavailable[held.name] = held.version
+        older = self.served.get(held.name)
+        if older is not None and older.version < held.version:
+            del self.served[held.name]
+            for listener in self._listeners:
+                listener(held.name, None)
+            await self._retire(older)
         logger.warning(
             "replica %s: adapter %s version %d is committed, but the coordinator (restarted since) holds no copy of it: "
-            "requests naming it are refused here (retryably: replicas that hold it serve them) until its next publish",
-            self.replica_id, held.name, held.version,
+            "requests naming it are refused here (retryably: replicas that hold it serve them) until its next publish%s",
+            self.replica_id, held.name, held.version, f"; version {older.version} it served is unloaded" if older is not None and older.version < held.version else "",
         )
 
     async def stage(self, adapter: Adapter) -> ServedAdapter:
