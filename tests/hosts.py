@@ -221,6 +221,13 @@ class Logged:
         end(self.proc, grace_s)
         self._out.close()
 
+    def kill(self) -> None:
+        """SIGKILL, for a teardown that needs nothing of the process's own shutdown: a
+        module's ``rollout serve``, whose SIGTERM deletes the app and waits out every
+        replica's graceful shutdown (about 12 s a module), when the Ray hosts it runs on
+        are stopped next and :meth:`Hosts.destroy` then ends whatever is left."""
+        self.stop(grace_s=0)
+
 
 class Trainer:
     """``tests/host_trainer.py`` on the trainer host: one JSON command, one JSON answer."""
@@ -453,6 +460,9 @@ class Hosts:
             "http": {"host": "0.0.0.0", "port": HTTP_PORT, "api_key_file": str(api_key_file)},
             "metrics": {"enabled": False},
             "sync": dict(SYNC_POLLING),
+            # No test on these hosts calls a tool: one tool worker a replica (the default
+            # two are a Ray worker process each to start) and no python sandbox to check.
+            "tools": {"workers": 1, "python": {"enabled": False}},
         }
         for name, section in sections.items():
             config[name] = {**config.get(name, {}), **section}
