@@ -94,9 +94,10 @@ ENGINE_PROCESS = re.compile(r"^VLLM::")
 # to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (30 s) for it to go idle, which a node holding
 # Serve's controller or proxy never does (ray/_private/node.py, _drain_node_before_shutdown).
 # Every module's teardown waited that out for each Ray host, then killed ``ray start`` and
-# waited again for the agents it left. Nothing here needs the drain (the app is deleted
-# first): 0 turns it off, and ``ray start`` ends its processes at once.
-RAY_START_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+# waited again for the agents it left. Nothing here needs the drain (the hosts are torn
+# down next): 0 turns it off, and ``ray start`` ends its processes at once.
+# Ray's workers at nice 0, as in every test cluster (tests/conftest.py says why).
+RAY_START_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_worker_niceness": "0"}
 
 
 class CannotMakeHosts(Exception):
