@@ -18,6 +18,12 @@ from tests.hosts import SYNC_POLLING
 # share vLLM's compile cache with them (rollout.engine.args.prepare_engine_environment).
 for _key, _value in CPU_ENGINE_ENV.items():
     os.environ.setdefault(_key, _value)
+# Ray starts its workers (replicas, engines, reference engines) at nice 15. `make test`
+# runs two lanes side by side on two cores: at 15 one lane's engines got a small share of
+# a core the other lane's tests (nice 0) also wanted (weight 36 to 1024), so the shared
+# lane, the longer, waited on the other's work. At 0 every process shares the cores evenly.
+# (The Ray clusters started here inherit it; tests/hosts.py's set it for theirs.)
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "build" / "model"

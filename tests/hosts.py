@@ -94,9 +94,10 @@ ENGINE_PROCESS = re.compile(r"^VLLM::")
 # to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (30 s) for it to go idle, which a node holding
 # Serve's controller or proxy never does (ray/_private/node.py, _drain_node_before_shutdown).
 # Every module's teardown waited that out for each Ray host, then killed ``ray start`` and
-# waited again for the agents it left. Nothing here needs the drain (the app is deleted
-# first): 0 turns it off, and ``ray start`` ends its processes at once.
-RAY_START_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+# waited again for the agents it left. Nothing here needs the drain (the hosts are torn
+# down next): 0 turns it off, and ``ray start`` ends its processes at once.
+# Ray's workers at nice 0, as in every test cluster (tests/conftest.py says why).
+RAY_START_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_worker_niceness": "0"}
 
 
 class CannotMakeHosts(Exception):
@@ -220,6 +221,13 @@ class Logged:
     def stop(self, grace_s: float = 60.0) -> None:
         end(self.proc, grace_s)
         self._out.close()
+
+    def kill(self) -> None:
+        """SIGKILL, for a teardown that needs nothing of the process's own shutdown: a
+        module's ``rollout serve``, whose SIGTERM deletes the app and waits out every
+        replica's graceful shutdown (about 12 s a module), when the Ray hosts it runs on
+        are stopped next and :meth:`Hosts.destroy` then ends whatever is left."""
+        self.stop(grace_s=0)
 
 
 class Trainer:
@@ -453,6 +461,9 @@ class Hosts:
             "http": {"host": "0.0.0.0", "port": HTTP_PORT, "api_key_file": str(api_key_file)},
             "metrics": {"enabled": False},
             "sync": dict(SYNC_POLLING),
+            # No test on these hosts calls a tool: one tool worker a replica (the default
+            # two are a Ray worker process each to start) and no python sandbox to check.
+            "tools": {"workers": 1, "python": {"enabled": False}},
         }
         for name, section in sections.items():
             config[name] = {**config.get(name, {}), **section}

@@ -65,7 +65,7 @@ def cluster(hosts, model_dir):
     try:
         yield SimpleNamespace(head=head, serve=serve, env=env)
     finally:
-        serve.stop()
+        serve.kill()  # the hosts are torn down next (Logged.kill)
         head.stop(grace_s=30)
 
 

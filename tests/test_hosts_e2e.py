@@ -75,7 +75,7 @@ def platform(hosts, model_dir):
         worker = state.worker
     finally:
         trainer.stop()
-        serve.stop()
+        serve.kill()  # the hosts are torn down next (Logged.kill)
         reference.stop(grace_s=10)
         if worker is not None:
             worker.stop(grace_s=30)

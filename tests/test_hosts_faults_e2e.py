@@ -152,7 +152,10 @@ def cluster(model_dir):
             yield c
         finally:
             for p in reversed(started):
-                p.stop(grace_s=30)
+                if p is head:
+                    p.stop(grace_s=30)
+                else:
+                    p.kill()  # `rollout serve`: the hosts are torn down next (Logged.kill)
 
 
 def test_rollouts_reach_replicas_on_both_ray_hosts(cluster):

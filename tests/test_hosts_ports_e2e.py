@@ -225,7 +225,7 @@ def trainer(hosts, model_dir):
         yield process
     finally:
         process.stop()
-        serve.stop()
+        serve.kill()  # the hosts are torn down next (Logged.kill)
         head.stop(grace_s=30)
 
 
