@@ -24,6 +24,14 @@ for _key, _value in CPU_ENGINE_ENV.items():
 # lane, the longer, waited on the other's work. At 0 every process shares the cores evenly.
 # (The Ray clusters started here inherit it; tests/hosts.py's set it for theirs.)
 os.environ.setdefault("RAY_worker_niceness", "0")
+# vLLM's CPU engines bind their worker's OpenMP threads by default (VLLM_CPU_OMP_THREADS_BIND
+# "auto"): one engine per host, one thread per core of the first NUMA node less one core kept
+# for the scheduler. On the 2-core machine that is one thread pinned to core 0, for every
+# engine of every lane: the replicas, the reference engines and `vllm serve` all computed on
+# core 0 while core 1 ran the rest. Unbound with one thread each, as many as the binding gave
+# (so greedy outputs stay those of one thread), the kernel spreads them over both cores.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "build" / "model"
