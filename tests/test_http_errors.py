@@ -93,7 +93,7 @@ def test_a_stream_that_breaks_after_it_started_is_not_turned_into_a_short_succes
 
 def platform_errors():
     from rollout.errors import AdapterNotFoundError, AuthenticationError, EpisodeLostError, ForbiddenError, NotServingError, ReplicaLostError
-    from rollout.sync.protocol import CoordinatorUnreachableError, NoCommittedCopyError, SyncError
+    from rollout.sync.protocol import CoordinatorUnreachableError, DeltaBaseError, NoCommittedCopyError, SyncError
 
     # (raised by a route, status, error.type, what a client raises back)
     return [
@@ -106,6 +106,8 @@ def platform_errors():
         (SyncError("round-1 aborted"), 409, "sync_error", SyncError),
         (NoCommittedCopyError("nothing holds version 2"), 409, "sync_error", SyncError),
         (CoordinatorUnreachableError("no answer"), 409, "sync_error", SyncError),
+        # Its own type: a publisher over HTTP falls back to a full send on it, as over Serve.
+        (DeltaBaseError("the delta applies onto version 2, the committed version is 3"), 409, "delta_base_error", DeltaBaseError),
         (OverloadedError("overloaded: full", 1.2), 429, "overloaded", OverloadedError),
         (EngineUnavailableError("no replica"), 503, "engine_unavailable", EngineUnavailableError),
         (ReplicaLostError("died", {0: [1]}), 503, "engine_unavailable", EngineUnavailableError),

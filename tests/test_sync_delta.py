@@ -4,6 +4,7 @@ coordinator's copy), refusals of a delta onto another base, and sparse_nccl's CP
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -222,6 +223,108 @@ async def test_the_coordinator_refuses_a_delta_onto_another_version_before_any_r
     # A full send (nothing offered) opens as on gloo.
     plan = await c.begin_round(None, RoundRequest(specs, "127.0.0.1", 1))
     assert plan.transfer_info is None
+
+
+async def test_the_coordinator_refuses_a_delta_onto_the_committed_version_but_other_bytes_and_counts_that_do_not_fit(tmp_path):
+    from rollout.errors import InvalidRequestError
+    from rollout.sync.backends.gloo_delta import GlooDelta
+    from rollout.sync.coordinator import WeightSyncCoordinator
+    from rollout.sync.net import free_port
+
+    c = WeightSyncCoordinator({"model": {"path": str(tmp_path)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, "require_token": False}}, "gloo_delta")
+    specs = (ParamSpec("w", "float32", (2, 2)),)
+    await c.register("a", 1, 0, list(specs))
+    with pytest.raises(InvalidRequestError, match="2 counts for 1 parameters") as e:
+        await c.begin_round(None, RoundRequest(specs, "127.0.0.1", 1, transfer_info=GlooDelta(0, "d", (0, 0))))
+    assert e.value.field == "transfer_info.delta_counts"
+    with pytest.raises(InvalidRequestError, match="5 changed elements of w, which has 4") as e:
+        await c.begin_round(None, RoundRequest(specs, "127.0.0.1", 1, transfer_info=GlooDelta(0, "d", (5,))))
+    assert e.value.field == "transfer_info.delta_counts[0]" and c.rounds.current is None
+
+    # Version 1 committed in full, with its publisher's digests (the copy goes after the
+    # commit, over a group no one hosts here: the commit does not wait for it).
+    sent = digest.digest_all([("w", torch.zeros(2, 2))])
+    plan = await c.begin_round(None, RoundRequest(specs, "127.0.0.1", 1, copy_group="copy-x", copy_port=free_port()))
+    asyncio.get_running_loop().create_task(c.report(plan.round_id, "a", None))
+    finish = asyncio.create_task(c.finish(None, plan.round_id, digests=sent))
+    await asyncio.sleep(0.05)
+    await c.applied(plan.round_id, "a", plan.version)
+    assert (await finish).committed and c.store.version == 1
+    with pytest.raises(DeltaBaseError, match="onto version 1 with digest 0000000000000000…, the committed version's digest is"):
+        await c.begin_round(None, RoundRequest(specs, "127.0.0.1", 1, transfer_info=GlooDelta(1, "0" * 64, (1,))))
+    assert c.rounds.current.plan.round_id == plan.round_id, "no round opened after the committed one"
+    opened = await c.begin_round(None, RoundRequest(specs, "127.0.0.1", 1, transfer_info=GlooDelta(1, digest.combine(sent), (1,))))
+    assert opened.transfer_info == GlooDelta(1, digest.combine(sent), (1,))
+    await c.finish(None, opened.round_id, "not sent: the test ends here")
+
+
+class HttpIngress:
+    """What ``POST /v1/sync/rounds`` does (rollout.http.ingress), over an httpx transport
+    in this process: the body typed by ``BeginRoundBody``, the coordinator (on the test's
+    loop) answering, its errors from the one wire table."""
+
+    def __init__(self, coordinator, loop):
+        self.coordinator, self.loop, self.bodies = coordinator, loop, []
+
+    def __call__(self, request):
+        import httpx
+
+        from rollout import wire_errors
+        from rollout.errors import RolloutError
+        from rollout.sync.remote import PLAN, BeginRoundBody
+
+        assert request.url.path == "/v1/sync/rounds"
+        self.bodies.append(request.content)
+        try:
+            body = BeginRoundBody.model_validate_json(request.content)
+            plan = asyncio.run_coroutine_threadsafe(self.coordinator.begin_round(None, body.request()), self.loop).result(10)
+        except RolloutError as e:
+            answer = wire_errors.encode(e)
+            return httpx.Response(answer.status, json=answer.body, headers=answer.headers)
+        return httpx.Response(200, json=PLAN.dump_python(plan, mode="json"))
+
+    def client(self):
+        import httpx
+
+        from rollout.sync.remote import HttpCoordinator
+
+        c = HttpCoordinator("http://ingress", None, 10.0)
+        c.client = httpx.Client(base_url="http://ingress", transport=httpx.MockTransport(self))
+        return c
+
+
+@pytest.mark.parametrize("backend", ["gloo_delta", "sparse_nccl"])
+async def test_over_http_a_delta_travels_typed_and_a_wrong_base_is_the_same_typed_refusal(backend):
+    import json
+
+    from rollout.errors import InvalidRequestError
+    from rollout.sync.backends.delta_info import GlooDelta, SparseNcclDelta
+    from rollout.sync.coordinator import WeightSyncCoordinator
+
+    c = WeightSyncCoordinator({"model": {"path": "/m"}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, "require_token": False}}, backend)
+    specs = (ParamSpec("w", "float32", (2, 2)), ParamSpec("b", "float32", (2,)))
+    await c.register("a", 1, 0, list(specs))
+    ingress = HttpIngress(c, asyncio.get_running_loop())
+    client = ingress.client()
+    onto = {"gloo_delta": lambda v: GlooDelta(v, "ab" * 32, (1, -1)), "sparse_nccl": lambda v: SparseNcclDelta((1, 0), v)}[backend]
+
+    # A base that is not the committed version: the coordinator's DeltaBaseError, read back
+    # as that type (the publisher's cue to send in full); nothing opened.
+    with pytest.raises(DeltaBaseError, match="onto version 2, the committed version is 0"):
+        await asyncio.to_thread(client.begin_round, None, RoundRequest(specs, "127.0.0.1", 1, transfer_info=onto(2)))
+    assert c.rounds.current is None
+    assert json.loads(ingress.bodies[-1])["transfer_info"]["backend"] == backend
+    # The other delta backend's offer is not this platform's: 400 naming the field.
+    other = SparseNcclDelta((1, 0), 0) if backend == "gloo_delta" else GlooDelta(0, "ab" * 32, (1, -1))
+    with pytest.raises(InvalidRequestError) as e:
+        await asyncio.to_thread(client.begin_round, None, RoundRequest(specs, "127.0.0.1", 1, transfer_info=other))
+    assert e.value.field == "transfer_info"
+
+    # Onto the committed version: the round opens, and its plan comes back with the offer
+    # typed as the backend's sender checks it (JSON carried its fields).
+    plan = await asyncio.to_thread(client.begin_round, None, RoundRequest(specs, "127.0.0.1", 1, transfer_info=onto(0)))
+    assert type(plan.transfer_info) is type(onto(0)) and plan.transfer_info == onto(0) and plan.transfer_info.delta_base() == 0
+    await c.finish(None, plan.round_id, "not sent: the test ends here")
 
 
 def test_a_delta_is_described_by_fields_the_engine_takes_and_bad_counts_name_the_field():

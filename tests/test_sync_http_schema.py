@@ -56,6 +56,27 @@ def test_every_begin_round_body_the_schema_refuses_is_refused(schema):
     examples(schema["/v1/sync/rounds"]["POST"], GenerationMode.NEGATIVE, check)
 
 
+@pytest.mark.parametrize(
+    "transfer_info, field",
+    [
+        ({"backend": "gloo_delta", "delta_base_version": 0, "delta_base_digest": "0" * 64, "delta_counts": [-2]}, "transfer_info.delta_counts[0]"),
+        ({"backend": "gloo_delta", "delta_base_version": 0, "delta_base_digest": "0" * 63, "delta_counts": [1]}, "transfer_info.delta_base_digest"),
+        ({"backend": "sparse_nccl", "num_updates_list": [2**31]}, "transfer_info.num_updates_list[0]"),
+        ({"backend": "sparse_nccl", "num_updates_list": [1], "extra": 1}, "transfer_info.extra"),
+        ({"backend": "ipc", "ipc_handles_pickled": "gASV"}, "transfer_info.backend"),
+        ({"num_updates_list": [1]}, "transfer_info.backend"),
+    ],
+)
+def test_a_delta_offer_the_schema_refuses_is_refused_naming_the_field_it_came_in(transfer_info, field):
+    # Not the union's tag (pydantic's location says transfer_info.gloo_delta.delta_counts[0]).
+    from rollout.sync.remote import BeginRoundBody
+
+    body = {"params": [{"name": "w", "dtype": "float32", "shape": [2]}], "master_address": "127.0.0.1", "master_port": 1, "transfer_info": transfer_info}
+    with pytest.raises(ValidationError) as e:
+        BeginRoundBody.model_validate(body)
+    assert e.value.errors()[0]["ctx"]["error"].field == field
+
+
 def test_every_update_info_the_schema_allows_is_accepted_when_its_lists_line_up(schema):
     from rollout.http.rl_routes import UpdateInfo
     from rollout.sync.sessions import parse_update_info

@@ -1,4 +1,5 @@
-"""Deltas end to end: real Ray, Serve, vLLM (CPU) and the ``gloo_delta`` backend.
+"""Deltas end to end: real Ray, Serve, vLLM (CPU) and the ``gloo_delta`` backend, published
+through a Serve handle and through the HTTP ingress.
 
 The shared app is redeployed with ``sync.backend: gloo_delta`` for this module. It runs
 after every module that uses the shared app as configured and before those that replace
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from rollout.sync import WeightPublisher, digest
-from tests.conftest import E2E_ORDER, SYNC_TOKEN
+from tests.conftest import API_KEY, E2E_ORDER, SYNC_TOKEN
 from tests.test_weight_sync_e2e import assert_every_replica_serves, perturbed_policy, reference_engine, save_policy
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +31,19 @@ def sparse_change(tensors: dict[str, torch.Tensor], fraction: float, seed: int) 
 
 def combined(tensors: dict[str, torch.Tensor]) -> str:
     return digest.combine(digest.digest_all(tensors.items()))
+
+
+async def refused_then_full(publisher: WeightPublisher, tensors: dict[str, torch.Tensor], theirs: int) -> int:
+    """Publish ``tensors`` as a delta onto a base that is no longer committed (another
+    publisher committed ``theirs``): refused before any round opens, it goes in full
+    (logged), and every replica ends on what it sent."""
+    mine = await asyncio.to_thread(publisher.publish, tensors)
+    assert mine == theirs + 1
+    assert publisher.last_choice.mode == "full" and "the coordinator refused the delta" in publisher.last_choice.rule, publisher.last_choice
+    status = await asyncio.to_thread(publisher.status)
+    assert status["committed_digest"] == {"version": mine, "digest": combined(tensors)}
+    assert all(r["version"] == mine and r["received"] == status["committed_digest"] for r in status["replicas"].values()), status
+    return mine
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +74,7 @@ def policies(model_dir, tmp_path_factory):
 
 
 async def test_a_sparse_change_goes_as_a_delta_and_serves_like_a_fresh_engine_and_a_later_replica_catches_up_to_its_bytes(
-    delta_platform, policies, handle_client, ray_cluster
+    delta_platform, policies, handle_client, ray_cluster, base_url
 ):
     from rollout.app import deploy
 
@@ -105,16 +119,36 @@ async def test_a_sparse_change_goes_as_a_delta_and_serves_like_a_fresh_engine_an
             other.close()
         assert theirs == version + 1 and other.last_choice.mode == "full"
         v4 = sparse_change(v2, 0.01, seed=7)
-        mine = await asyncio.to_thread(publisher.publish, v4)
-        assert mine == theirs + 1
-        assert publisher.last_choice.mode == "full" and "the coordinator refused the delta" in publisher.last_choice.rule, publisher.last_choice
-        status = await asyncio.to_thread(publisher.status)
-        assert status["committed_digest"] == {"version": mine, "digest": combined(v4)}
-        assert all(r["version"] == mine and r["received"] == status["committed_digest"] for r in status["replicas"].values()), status
+        await refused_then_full(publisher, v4, theirs)
 
         # From that full send on, deltas again.
         v5 = sparse_change(v4, 0.01, seed=8)
         await asyncio.to_thread(publisher.publish, v5)
         assert publisher.last_choice.mode == "delta" and publisher.last_outcome.digest == combined(v5)
+
+        # Over HTTP, as a trainer outside the Ray cluster attaches (through the ingress): its
+        # first publish is full (it holds no base), then v2 (v1 with 1% changed) goes as a
+        # delta, and both replicas serve what the fresh engine loaded with v2 serves.
+        await asyncio.to_thread(publisher.flush)
+        over_http = WeightPublisher.http(base_url, api_key=API_KEY, token=SYNC_TOKEN)
+        try:
+            await asyncio.to_thread(over_http.publish, v1)
+            assert over_http.last_choice.mode == "full" and "no committed base" in over_http.last_choice.rule, over_http.last_choice
+            version = await asyncio.to_thread(over_http.publish, v2)
+            choice = over_http.last_choice
+            assert choice.mode == "delta" and choice.bytes_sent == choice.delta_bytes < choice.full_bytes / 10, choice
+            outcome = over_http.last_outcome
+            assert outcome.committed and outcome.digest == want and set(outcome.replica_digests.values()) == {want}, outcome
+            await assert_every_replica_serves(handle_client, reference, replicas=2, version=version)
+
+            # Another publisher commits meanwhile: the coordinator refuses this one's delta
+            # over HTTP with the same typed DeltaBaseError, and it sends in full instead.
+            await asyncio.to_thread(over_http.flush)
+            theirs = await asyncio.to_thread(publisher.publish, v4)
+            assert theirs == version + 1
+            await asyncio.to_thread(publisher.flush)
+            await refused_then_full(over_http, sparse_change(v2, 0.01, seed=9), theirs)
+        finally:
+            over_http.close()
     finally:
         publisher.close()

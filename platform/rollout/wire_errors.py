@@ -31,7 +31,7 @@ from rollout.errors import (
     RolloutError,
     StaleWeightsError,
 )
-from rollout.sync.protocol import SyncError
+from rollout.sync.protocol import DeltaBaseError, SyncError
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,27 @@ STALE_WEIGHTS = WireError(
     True,
     by_status=False,
 )
-SYNC_FAILED = WireError(SyncError, 409, "sync_error", "The sync round was refused or failed; replicas keep the committed version.", False, by_status=False)
+SYNC_FAILED = WireError(
+    SyncError,
+    409,
+    "sync_error",
+    # The one 409 the sync routes document: it names the delta refusal's type too.
+    "The sync round was refused or failed (`sync_error`; `delta_base_error`: a delta's base is not the committed weights, publish in full); replicas keep the committed version.",
+    False,
+    by_status=False,
+)
+# A delta onto another base than the committed weights (rollout.sync.delta): its own type,
+# so a publisher over HTTP falls back to a full send exactly as one over Serve does.
+DELTA_BASE = WireError(DeltaBaseError, 409, "delta_base_error", SYNC_FAILED.description, False, by_status=False)
 TOO_LARGE = WireError(InvalidRequestError, 413, "invalid_request_error", "Body larger than `http.max_body_bytes`.", False, raised=False)
 OVERLOADED = WireError(OverloadedError, 429, "overloaded", "Overloaded: the queue (`deployment.max_queued_requests`) is full; retry after `Retry-After` seconds.", True)
 # The ingress's own fault (rollout.http.last_resort): the same call fails the same way.
 INTERNAL = WireError(RolloutError, 500, "internal_error", "A fault of the platform's own, logged with its traceback.", False, raised=False, by_status=False)
 UNAVAILABLE = WireError(EngineUnavailableError, 503, "engine_unavailable", "No engine can serve it now (retryable).", True)
 
-TABLE: tuple[WireError, ...] = (INVALID, UNAUTHENTICATED, FORBIDDEN, EPISODE_LOST, ADAPTER_NOT_FOUND, STALE_WEIGHTS, SYNC_FAILED, TOO_LARGE, OVERLOADED, INTERNAL, UNAVAILABLE)
+TABLE: tuple[WireError, ...] = (
+    INVALID, UNAUTHENTICATED, FORBIDDEN, EPISODE_LOST, ADAPTER_NOT_FOUND, STALE_WEIGHTS, SYNC_FAILED, DELTA_BASE, TOO_LARGE, OVERLOADED, INTERNAL, UNAVAILABLE,
+)
 
 _RAISED = {row.error: row for row in TABLE if row.raised}
 _BY_TYPE = {(row.status, row.type): row for row in TABLE}

@@ -931,7 +931,8 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, p
 def test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_exactly_the_published_weights(stage, perturbed, record):
     """``sparse_nccl``: vLLM's own sparse NCCL engine on the replica. The first publish
     (no base) patches every element; the next is a delta against it, applied in place by
-    vLLM's ``load_checkpoint_weight_patches``; greedy equals a fresh engine on the result."""
+    vLLM's ``load_checkpoint_weight_patches``; greedy equals a fresh engine on the result.
+    Then the same over HTTP (``WeightPublisher.http``, the offer as typed ``transfer_info``)."""
     from rollout.sync import WeightPublisher
 
     app = stage.app_for(platform_cfg("gpu-sparse", "sparse_nccl"))
@@ -958,6 +959,22 @@ def test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_ex
         delta_bytes_sent=choice.bytes_sent, full_bytes=choice.full_bytes, greedy=first_mismatch(got, want), phases=pub.last_outcome.phases,
     )
     assert first_choice.mode == "full" and choice.mode == "delta" and version == first + 1
+    assert got == want, first_mismatch(got, want)
+
+    # A trainer outside the Ray cluster, through the ingress: it holds no base, so its first
+    # publish patches every element, and its next one goes as a delta.
+    over_http = WeightPublisher.http(f"http://127.0.0.1:{HTTP_PORT}", api_key=API_KEY, backend="sparse_nccl")
+    try:
+        http_first = over_http.publish(base, checkpoint=str(MODEL))
+        http_first_choice = over_http.last_choice
+        http_version = over_http.publish(new, checkpoint=str(perturbed))
+        http_choice = over_http.last_choice
+    finally:
+        over_http.close()
+    app.committed = http_version
+    got = greedy(on_platform(app.handle))
+    record(http_first_mode=http_first_choice.mode, http_delta_mode=http_choice.mode, http_delta_bytes_sent=http_choice.bytes_sent, greedy_over_http=first_mismatch(got, want))
+    assert http_first == version + 1 and http_first_choice.mode == "full" and http_choice.mode == "delta" and http_version == http_first + 1
     assert got == want, first_mismatch(got, want)
 
 

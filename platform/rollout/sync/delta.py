@@ -33,9 +33,9 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from rollout.sync.backends.base import SendChoice
+from rollout.sync.backends.delta_info import DENSE  # a tensor's count when it travels whole
 from rollout.sync.protocol import DeltaBaseError, ParamSpec
 
-DENSE = -1  # a tensor's count when it travels whole
 INDEX_SUFFIX = "#indices"
 VALUES_SUFFIX = "#values"
 

@@ -196,7 +196,7 @@ class WeightPublisher:
         committed, replicas that start later or roll back reload it themselves; with
         the GPU backends, which keep no copy, it is the only way they can catch up.
 
-        With a delta backend (``gloo_delta``, ``sparse_nccl``) the publisher sends only
+        With a delta backend (``gloo_delta``, ``sparse_nccl``), attached either way, it sends only
         the elements changed since the version it last committed where that moves fewer
         bytes (rollout.sync.delta); ``delta=False`` sends in full. ``last_choice`` says how
         it went: ``mode`` "delta" or "full", ``bytes_sent``, ``full_bytes`` and the rule's
@@ -234,15 +234,9 @@ class WeightPublisher:
                 f"this publisher would advertise {advertised.address!r} ({advertised.source}), which is not an address of this host; "
                 f"set {net.ADDRESS_ENV} to one of this host's addresses that the replicas reach"
             )
-        # A delta sender prices a delta against what it last committed (rollout.sync.delta).
-        # The HTTP route carries no transfer info: over it every send is full.
-        over_http = isinstance(self._coordinator, HttpCoordinator)
-        full_because = None
-        if over_http:
-            full_because = "deltas need WeightPublisher.connect (the HTTP route carries no transfer info)"
-        elif not delta:
-            full_because = "publish(delta=False)"
-        self._sender.prepare(list(tensors.items()), full_because)
+        # A delta sender prices a delta against what it last committed (rollout.sync.delta);
+        # its offer travels over Serve or, typed, over HTTP (rollout.sync.remote).
+        self._sender.prepare(list(tensors.items()), None if delta else "publish(delta=False)")
         request = RoundRequest(
             params=tuple(specs),
             master_address=advertised.address,

@@ -5,14 +5,16 @@ over the transfer group the round's plan describes."""
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
+from typing import Annotated, Any, ClassVar, Literal, Optional, Protocol, Union, get_args
 
-from typing import Annotated, Any, Optional, Protocol
-
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from rollout.api import NonNegativeInt, _integral
-from rollout.errors import InvalidRequestError
+from rollout.errors import InvalidRequestError, loc_to_field
 from rollout.sync.auth import SYNC_TOKEN_HEADER
+from rollout.sync.backends.base import TransferInfo
+from rollout.sync.backends.delta_info import DENSE, INT32_MAX, GlooDelta, SparseNcclDelta
 from rollout.sync.coordinator_client import BlockingCoordinatorHandle
 from rollout.sync.protocol import AdapterRequest, CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, StorageRequest, StorageRound, SyncError
 from rollout.wire_errors import decode
@@ -32,6 +34,77 @@ class SyncParam(BaseModel):
 
     def spec(self) -> ParamSpec:
         return ParamSpec(self.name, self.dtype, tuple(self.shape))
+
+
+# Bounds of the delta bodies' numbers: far above any model (a count is at most a tensor's
+# elements, the coordinator checks), and exact as JSON numbers.
+MAX_COUNT = 2**53
+MAX_TENSORS = 1 << 20
+Count = Annotated[int, Field(ge=DENSE, le=MAX_COUNT), BeforeValidator(_integral)]
+Patched = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_integral)]
+BaseVersion = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_integral)]
+
+
+class GlooDeltaBody(BaseModel):
+    """A ``gloo_delta`` delta (rollout.sync.backends.delta_info.GlooDelta) as it travels
+    over HTTP: the base it applies onto, and what each tensor sends."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    info_cls: ClassVar[type[TransferInfo]] = GlooDelta
+    backend: Literal["gloo_delta"]
+    delta_base_version: BaseVersion = Field(description="The committed version the delta applies onto; any other is refused (409 `delta_base_error`).")
+    delta_base_digest: str = Field(
+        pattern="^[0-9a-f]{64}$", description="The combined digest (rollout.sync.digest.combine) of the weights it applies onto; replicas holding other bytes refuse it."
+    )
+    delta_counts: list[Count] = Field(
+        min_length=1, max_length=MAX_TENSORS, description="Per parameter, in `params` order: -1 sent whole, 0 unchanged, k the number of changed elements sent."
+    )
+
+    def info(self) -> GlooDelta:
+        return GlooDelta(self.delta_base_version, self.delta_base_digest, tuple(self.delta_counts))
+
+    @classmethod
+    def of(cls, info: GlooDelta) -> "GlooDeltaBody":
+        return cls(backend="gloo_delta", delta_base_version=info.delta_base_version, delta_base_digest=info.delta_base_digest, delta_counts=list(info.delta_counts))
+
+
+class SparseNcclBody(BaseModel):
+    """A ``sparse_nccl`` round's patch (rollout.sync.backends.delta_info.SparseNcclDelta)
+    as it travels over HTTP."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    info_cls: ClassVar[type[TransferInfo]] = SparseNcclDelta
+    backend: Literal["sparse_nccl"]
+    num_updates_list: list[Patched] = Field(
+        min_length=1, max_length=MAX_TENSORS, description="vLLM's `num_updates_list`: per parameter, in `params` order, the number of elements patched."
+    )
+    base_version: Optional[BaseVersion] = Field(
+        default=None, description="The committed version the patch applies onto (any other is refused: 409 `delta_base_error`); null: every element, the first publish."
+    )
+
+    def info(self) -> SparseNcclDelta:
+        return SparseNcclDelta(tuple(self.num_updates_list), self.base_version)
+
+    @classmethod
+    def of(cls, info: SparseNcclDelta) -> "SparseNcclBody":
+        return cls(backend="sparse_nccl", num_updates_list=list(info.num_updates_list), base_version=info.base_version)
+
+
+# What a delta backend's publisher offers, by backend: the platform's backend must be the
+# one named (else 400 naming ``transfer_info``). ``ipc``'s handles never travel over HTTP.
+TransferInfoBody = Annotated[Union[GlooDeltaBody, SparseNcclBody], Field(discriminator="backend")]
+_BODY_OF = {body.info_cls: body for body in (GlooDeltaBody, SparseNcclBody)}
+_TAGS = {get_args(body.model_fields["backend"].annotation)[0] for body in _BODY_OF.values()}
+TRANSFER_INFO = TypeAdapter(TransferInfoBody)
+
+
+def _typed_plan(answer: Any) -> PushRound:
+    """begin_round's answer: the plan, its transfer info typed again (JSON carries its
+    fields; the plan's backend names its type)."""
+    plan = PLAN.validate_python(answer)
+    if isinstance(plan.transfer_info, dict):
+        plan = replace(plan, transfer_info=TRANSFER_INFO.validate_python({**plan.transfer_info, "backend": plan.backend}).info())
+    return plan
 
 
 def _copy_group_needs_a_port(schema: dict) -> None:
@@ -56,6 +129,25 @@ class BeginRoundBody(BaseModel):
     )
     copy_group: str = Field(default="", max_length=128, description="The group of two over which the publisher sends the coordinator's copy after the commit (empty: the copy receives in the round).")
     copy_port: Annotated[int, Field(ge=0, le=65535), BeforeValidator(_integral)] = Field(default=0, description="Where the publisher listens for that group (with copy_group, at least 1).")
+    transfer_info: Optional[TransferInfoBody] = Field(
+        default=None, description="A delta backend's offer (`backend` names it; it must be the platform's): what the round sends instead of every byte. Null: a full send."
+    )
+
+    @field_validator("transfer_info", mode="wrap")
+    @classmethod
+    def _named_without_the_tag(cls, value: Any, handler: Any) -> Any:
+        # pydantic puts the union's tag in an error's location (transfer_info.gloo_delta.
+        # delta_counts[0]); the client is told the field it sent (transfer_info.delta_counts[0]).
+        try:
+            return handler(value)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = list(first.get("loc", ()))
+            if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+                loc = ["backend"]
+            elif loc and loc[0] in _TAGS:
+                loc = loc[1:]
+            raise InvalidRequestError(loc_to_field(["transfer_info", *loc]), first.get("msg", str(e))) from None
 
     @model_validator(mode="after")
     def _copy_group_needs_a_port(self) -> "BeginRoundBody":
@@ -65,20 +157,23 @@ class BeginRoundBody(BaseModel):
 
     @classmethod
     def of(cls, request: RoundRequest) -> "BeginRoundBody":
-        if request.transfer_info is not None:
+        offered = request.transfer_info
+        body = _BODY_OF.get(type(offered))
+        if offered is not None and body is None:
             # CUDA IPC handles only mean something on the replicas' node, and replicas
             # unpickle them: the platform never accepts them over the network.
             raise SyncError(
-                "backend: transfer info ('ipc' handles, 'sparse_nccl' patch counts) cannot travel over HTTP; publish with "
-                "WeightPublisher.connect from inside the Ray cluster ('ipc': from the replicas' GPU node)"
+                "backend: transfer info other than a delta ('ipc' handles) cannot travel over HTTP; publish with "
+                "WeightPublisher.connect from the replicas' GPU node"
             )
-        fields = {k: getattr(request, k) for k in cls.model_fields if k != "params"}
+        fields = {k: getattr(request, k) for k in cls.model_fields if k not in ("params", "transfer_info")}
         params = [SyncParam(name=p.name, dtype=p.dtype, shape=list(p.shape)) for p in request.params]
-        return cls(**fields, params=params)
+        return cls(**fields, params=params, transfer_info=body.of(offered) if body is not None else None)
 
     def request(self) -> RoundRequest:
-        # ipc handles never come over HTTP: no transfer_info here.
-        return RoundRequest(**{k: getattr(self, k) for k in type(self).model_fields if k != "params"}, params=tuple(p.spec() for p in self.params))
+        fields = {k: getattr(self, k) for k in type(self).model_fields if k not in ("params", "transfer_info")}
+        info = self.transfer_info.info() if self.transfer_info is not None else None
+        return RoundRequest(**fields, params=tuple(p.spec() for p in self.params), transfer_info=info)
 
 
 class StorageRoundBody(BaseModel):
@@ -195,7 +290,7 @@ class HttpCoordinator:
 
     def begin_round(self, token: Optional[str], request: RoundRequest) -> PushRound:
         body = BeginRoundBody.of(request).model_dump(mode="json")
-        return PLAN.validate_python(self._post("/v1/sync/rounds", body, token))
+        return _typed_plan(self._post("/v1/sync/rounds", body, token))
 
     def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound:
         body = StorageRoundBody.of(request).model_dump(mode="json")

@@ -280,6 +280,8 @@ class Rounds:
             raise SyncError("no engine replica has registered yet")
         check_spec(list(request.params), self.membership.params)
         offered = get_backend(self.backend).check_transfer_info(request.transfer_info)  # typed by the backend
+        if offered is not None:
+            offered.check_params(request.params)  # a count per parameter, over HTTP as over Serve
         self.store.check_checkpoint(request.checkpoint)
         self._check_version(request.version)
         async with self.opening():
@@ -295,10 +297,19 @@ class Rounds:
         return plan
 
     def _check_delta_base(self, offered: Any) -> None:
-        """A delta (rollout.sync.delta) applies only onto the committed version."""
+        """A delta (rollout.sync.delta) applies only onto the committed version, and onto
+        its bytes where the coordinator knows their digest (its publisher sent them)."""
         base = delta_base_of(offered)
-        if base is not None and base != self.store.version:
+        if base is None:
+            return
+        if base != self.store.version:
             raise DeltaBaseError(f"the delta applies onto version {base}, the committed version is {self.store.version}: publish in full")
+        claimed = offered.base_digest()
+        if claimed is not None and self.committed_digests is not None and self.committed_digests[0] == base and claimed != self._committed_combined:
+            raise DeltaBaseError(
+                f"the delta applies onto version {base} with digest {claimed[:16]}…, the committed version's digest is "
+                f"{self._committed_combined[:16]}…: publish in full"
+            )
 
     def _check_version(self, version: Optional[int]) -> None:
         if version is not None and version <= self.store.version:

@@ -35,12 +35,22 @@ class TransferInfo:
     """What a pull backend's sender offers before its round opens (see :meth:`Sender.offer`):
     a frozen dataclass per backend whose fields are fields of the receiving engine's update
     info. It travels in the round (``RoundRequest.transfer_info``, the plan's), pickled
-    over Serve; never over HTTP."""
+    over Serve; over HTTP only the delta backends' (rollout.sync.remote's typed bodies),
+    never ``ipc``'s handles."""
 
     def delta_base(self) -> Optional[int]:
         """The version a delta applies onto (every receiver must hold exactly it), or None
         where what is offered is no delta."""
         return None
+
+    def base_digest(self) -> Optional[str]:
+        """The combined digest (rollout.sync.digest.combine) of the weights a delta applies
+        onto, where the backend digests them; None otherwise."""
+        return None
+
+    def check_params(self, params: Sequence[ParamSpec]) -> None:
+        """``InvalidRequestError`` naming the field where the offer does not fit the round's
+        parameters (the coordinator asks before the round opens)."""
 
     def update_fields(self) -> dict[str, Any]:
         """The fields it adds to vLLM's update info."""

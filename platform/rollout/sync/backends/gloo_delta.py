@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -32,37 +32,13 @@ from rollout.sync.backends.base import TransferInfo, TransferRound
 from rollout.sync.backends.gloo import GlooBackend, GlooSender
 from rollout.sync.backends.gloo_group import GlooGroup, copy_rendezvous, rendezvous
 from rollout.sync.backends.gloo_stream import SentDigests, send_buckets
+from rollout.sync.backends.delta_info import GlooDelta  # torch-free: the ingress types it too
 from rollout.sync.protocol import PushRound
 from rollout.sync.wire import plan_buckets, unpack
 
 logger = logging.getLogger(__name__)
 
 INDEX_BYTES = 8  # int64 indices on gloo's wire
-
-
-@dataclass(frozen=True)
-class GlooDelta(TransferInfo):
-    """A delta round's description, as fields of the receiving engine's update info."""
-
-    delta_base_version: int
-    delta_base_digest: str  # rollout.sync.digest.combine of the base's per-tensor digests
-    delta_counts: tuple[int, ...] = field(default=())  # per tensor, the round's order: -1 dense, 0 unchanged, k changed
-
-    def __post_init__(self) -> None:
-        from rollout.errors import InvalidRequestError
-
-        object.__setattr__(self, "delta_counts", tuple(self.delta_counts))
-        if self.delta_base_version < 0:
-            raise InvalidRequestError("transfer_info.delta_base_version", f"must be >= 0, got {self.delta_base_version}")
-        bad = [c for c in self.delta_counts if not isinstance(c, int) or c < delta.DENSE]
-        if bad:
-            raise InvalidRequestError("transfer_info.delta_counts", f"each is {delta.DENSE} (dense), 0 (unchanged) or a count of changed elements; got {bad[0]!r}")
-
-    def delta_base(self) -> Optional[int]:
-        return self.delta_base_version
-
-    def update_fields(self) -> dict[str, Any]:
-        return {"delta_base_version": self.delta_base_version, "delta_base_digest": self.delta_base_digest, "delta_counts": list(self.delta_counts)}
 
 
 @dataclass

@@ -21,13 +21,14 @@ values that are NaN) use ``nccl``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from rollout.sync import delta
-from rollout.sync.backends.base import SendChoice, TransferInfo, TransferRound
+from rollout.sync.backends.base import SendChoice, TransferRound
+from rollout.sync.backends.delta_info import INT32_MAX, SparseNcclDelta  # torch-free: the ingress types it too
 from rollout.sync.backends.cuda_device import sending_device
 from rollout.sync.backends.nccl import NcclBackend, NcclSender
 from rollout.sync.protocol import Member, PushRound
@@ -38,29 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 INDEX_BYTES = 4  # vLLM's sparse engine takes int32 indices
-_INT32_MAX = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class SparseNcclDelta(TransferInfo):
-    """What a round patches: vLLM's ``num_updates_list`` (per tensor, the round's order)
-    and the version it applies onto (None: every element, the first publish)."""
-
-    num_updates_list: tuple[int, ...] = field(default=())
-    base_version: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        from rollout.errors import InvalidRequestError
-
-        object.__setattr__(self, "num_updates_list", tuple(self.num_updates_list))
-        if not self.num_updates_list or any(not isinstance(n, int) or n < 0 for n in self.num_updates_list):
-            raise InvalidRequestError("transfer_info.num_updates_list", "one count (>= 0) of patched elements per tensor")
-
-    def delta_base(self) -> Optional[int]:
-        return self.base_version
-
-    def update_fields(self) -> dict[str, Any]:
-        return {"num_updates_list": list(self.num_updates_list)}
 
 
 @dataclass(frozen=True)
@@ -78,7 +56,7 @@ def patches_for(base: Optional[dict[str, torch.Tensor]], named: Sequence[tuple[s
     for name, t in named:
         if not t.is_floating_point():
             raise ValueError(f"sparse_nccl: {name} is {t.dtype}; vLLM's sparse loader patches floating tensors only (use 'nccl')")
-        if t.numel() > _INT32_MAX:
+        if t.numel() > INT32_MAX:
             raise ValueError(f"sparse_nccl: {name} has {t.numel()} elements, more than int32 indices address (use 'nccl')")
         flat = t.detach().reshape(-1)
         idx = delta.changed_indices(base[name], t) if base is not None else torch.arange(flat.numel(), device=flat.device)

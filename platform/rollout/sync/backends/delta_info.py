@@ -1,0 +1,92 @@
+"""What the delta backends' senders offer before a round opens (``gloo_delta``'s
+:class:`GlooDelta`, ``sparse_nccl``'s :class:`SparseNcclDelta`), torch-free: the HTTP
+ingress types an offer that comes over ``POST /v1/sync/rounds`` (rollout.sync.remote)
+without loading the backends themselves.
+
+Each is checked on its own when made (``InvalidRequestError`` naming the field), and
+against the round's parameters by the coordinator before the round opens
+(:meth:`~rollout.sync.backends.base.TransferInfo.check_params`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from rollout.errors import InvalidRequestError
+from rollout.sync.backends.base import TransferInfo
+from rollout.sync.protocol import ParamSpec
+
+DENSE = -1  # a gloo_delta tensor's count when it travels whole (rollout.sync.delta)
+INT32_MAX = 2**31 - 1  # vLLM's sparse engine indexes with int32
+
+
+def _numel(p: ParamSpec) -> int:
+    n = 1
+    for d in p.shape:
+        n *= d
+    return n
+
+
+def _check_counts(path: str, counts: Sequence[int], params: Sequence[ParamSpec]) -> None:
+    """One count per parameter, none above the parameter's elements."""
+    if len(counts) != len(params):
+        raise InvalidRequestError(path, f"one count per parameter, in the round's order: {len(counts)} counts for {len(params)} parameters")
+    for i, (c, p) in enumerate(zip(counts, params)):
+        if c > _numel(p):
+            raise InvalidRequestError(f"{path}[{i}]", f"{c} changed elements of {p.name}, which has {_numel(p)}")
+
+
+@dataclass(frozen=True)
+class GlooDelta(TransferInfo):
+    """A ``gloo_delta`` delta round's description, as fields of the receiving engine's
+    update info (``GlooDeltaUpdateInfo``). A full round offers nothing."""
+
+    delta_base_version: int
+    delta_base_digest: str  # rollout.sync.digest.combine of the base's per-tensor digests
+    delta_counts: tuple[int, ...] = field(default=())  # per tensor, the round's order: -1 dense, 0 unchanged, k changed
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "delta_counts", tuple(self.delta_counts))
+        if self.delta_base_version < 0:
+            raise InvalidRequestError("transfer_info.delta_base_version", f"must be >= 0, got {self.delta_base_version}")
+        bad = [c for c in self.delta_counts if not isinstance(c, int) or c < DENSE]
+        if bad:
+            raise InvalidRequestError("transfer_info.delta_counts", f"each is {DENSE} (dense), 0 (unchanged) or a count of changed elements; got {bad[0]!r}")
+
+    def delta_base(self) -> Optional[int]:
+        return self.delta_base_version
+
+    def base_digest(self) -> Optional[str]:
+        return self.delta_base_digest
+
+    def check_params(self, params: Sequence[ParamSpec]) -> None:
+        _check_counts("transfer_info.delta_counts", self.delta_counts, params)
+
+    def update_fields(self) -> dict[str, Any]:
+        return {"delta_base_version": self.delta_base_version, "delta_base_digest": self.delta_base_digest, "delta_counts": list(self.delta_counts)}
+
+
+@dataclass(frozen=True)
+class SparseNcclDelta(TransferInfo):
+    """What a ``sparse_nccl`` round patches: vLLM's ``num_updates_list`` (per tensor, the
+    round's order) and the version it applies onto (None: every element, the first publish)."""
+
+    num_updates_list: tuple[int, ...] = field(default=())
+    base_version: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_updates_list", tuple(self.num_updates_list))
+        if not self.num_updates_list or any(not isinstance(n, int) or n < 0 for n in self.num_updates_list):
+            raise InvalidRequestError("transfer_info.num_updates_list", "one count (>= 0) of patched elements per tensor")
+        if self.base_version is not None and self.base_version < 0:
+            raise InvalidRequestError("transfer_info.base_version", f"must be >= 0, got {self.base_version}")
+
+    def delta_base(self) -> Optional[int]:
+        return self.base_version
+
+    def check_params(self, params: Sequence[ParamSpec]) -> None:
+        _check_counts("transfer_info.num_updates_list", self.num_updates_list, params)
+
+    def update_fields(self) -> dict[str, Any]:
+        return {"num_updates_list": list(self.num_updates_list)}
