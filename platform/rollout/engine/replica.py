@@ -266,10 +266,11 @@ class RolloutEngine:
         from rollout.engine.openai_app import forward, requested_model
 
         self._raise_if_not_serving()
-        model = requested_model(request.body)
+        # vLLM would answer its 404 (not retryable) for an adapter committed but not loaded
+        # here: refused as the token API refuses it, retryably, before any work. The body is
+        # parsed for it only while such an adapter exists (vLLM parses it again).
+        model = requested_model(request.body) if self.gate.adapters_unavailable else None
         if model is not None:
-            # vLLM would answer its 404 (not retryable) for an adapter committed but not
-            # loaded here: refused as the token API refuses it, retryably, before any work.
             self.gate.raise_if_adapter_unavailable(model)
         with self.admission.inflight.counted(1):
             async with contextlib.aclosing(forward(self.openai_app, request, self._weight_version_label, self.replica_id)) as parts:

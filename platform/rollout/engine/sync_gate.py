@@ -144,6 +144,13 @@ class SyncGate:
             raise InvalidRequestError(field, f"{name!r} is not a published LoRA adapter (published: {published})")
         return served
 
+    @property
+    def adapters_unavailable(self) -> bool:
+        """Whether any committed adapter is not loadable here (the rare case after a
+        coordinator restart): only then is an OpenAI body read for the adapter it names."""
+        adapters = self.sync.adapters
+        return adapters is not None and bool(adapters.unavailable)
+
     def raise_if_adapter_unavailable(self, name: str) -> None:
         """:class:`NotServingError` when LoRA adapter ``name`` is committed but not loadable
         here (see rollout.sync.store): refused before any work, retryably (other replicas
