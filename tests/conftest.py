@@ -32,6 +32,19 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # (so greedy outputs stay those of one thread), the kernel spreads them over both cores.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# vLLM's CPU platform runs an engine's worker in a process of its own ("mp" executor)
+# unless VLLM_ENABLE_V1_MULTIPROCESSING is "0" (vllm/platforms/cpu.py): that process spawns
+# and imports torch and vLLM once more, and `make test` starts ~40 engines. At "0" an
+# AsyncLLM (replicas, `vllm serve`) runs its worker inside its engine-core process ("uni"),
+# and a `vllm.LLM` (the reference engines) its whole engine in the caller. Measured on the
+# 2-core machine, an AsyncLLM as a replica builds it, 3 starts each: 15.6 s and 15.5 CPU-s
+# to ready against 21.4 s and 22.0 CPU-s, the same greedy tokens. A test-only setting, not
+# the platform's: vLLM keeps the worker apart so that its executor can set up the worker's
+# OpenMP threads (the binding above, "auto" in production, and their count) before torch
+# starts; in the engine core that cannot be done and nothing does it. With no binding and
+# one thread, as here, there is nothing to set up. (tests/test_engine_lifetime.py runs an
+# engine in both modes.)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "build" / "model"

@@ -1,6 +1,8 @@
 """An engine core dies with the process that built it (rollout.engine.lifetime, loaded by
 vLLM as a general plugin): a real AsyncLLM in a child process, which is then killed hard,
-as `ray stop --force` or the OOM killer would kill a replica."""
+as `ray stop --force` or the OOM killer would kill a replica. In both of vLLM's CPU executor
+modes: the worker in a process of its own ("mp", vLLM's default and production's) and in
+the engine core ("uni", what tests/conftest.py sets for the test suite)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 BUILD = """
 import asyncio, sys
@@ -30,8 +33,19 @@ asyncio.run(main())
 """
 
 
-def test_the_engine_core_and_its_workers_die_with_the_process_that_built_them(model_dir):
-    proc = subprocess.Popen([sys.executable, "-c", BUILD, str(model_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+# VLLM_ENABLE_V1_MULTIPROCESSING: the engine's processes (by title, which psutil reads from
+# the command line that vLLM's setproctitle writes).
+MODES = {
+    "mp": ("1", {"VLLM::EngineCore", "VLLM::Worker"}),
+    "uni": ("0", {"VLLM::EngineCore"}),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_engine_core_and_its_workers_die_with_the_process_that_built_them(model_dir, mode):
+    multiprocessing, titles = MODES[mode]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+    proc = subprocess.Popen([sys.executable, "-c", BUILD, str(model_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
     engine_procs: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 300
@@ -39,6 +53,7 @@ def test_the_engine_core_and_its_workers_die_with_the_process_that_built_them(mo
             assert proc.poll() is None and time.monotonic() < deadline, "the engine did not start"
         engine_procs = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("VLLM::")]
         assert engine_procs, "the engine core runs in a process of its own"
+        assert {p.name().split("_")[0] for p in engine_procs} == titles, f"{mode}: {[(p.pid, p.name()) for p in engine_procs]}"
         proc.kill()  # SIGKILL: nothing in the builder runs, no shutdown is sent
         proc.wait(timeout=30)
         gone, alive = psutil.wait_procs(engine_procs, timeout=20)
