@@ -65,3 +65,36 @@ def test_checks_without_a_row_of_their_own_are_grouped_by_their_file():
     text = render([({"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": checks}, "x.json")])
     assert "| Trainer-side senders on a GPU (`tests/gpu/test_gpu_senders.py`) | 2 of 2 passed |  |" in text
     assert "| Further GPU checks (`tests/gpu/test_gpu_direct.py`) | 0 of 1 passed | `test_a_direct_publish`: **failed**: AssertionError: slow |" in text
+
+
+LORA = "test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_with_it"
+LORA_HEAD = {"rank": 16, "adapter_tensors": 168, "replica_start_s": 40.1, "publish_adapter_s": [0.5, 0.4]}
+
+
+def _lora_row(metrics: dict, outcome: str = "passed") -> str:
+    results = {"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": {LORA: {"outcome": outcome, "metrics": metrics}}}
+    return _row(render([(results, "docs/gpu/x.json")]), "12. A LoRA adapter")
+
+
+def test_the_lora_row_shows_per_version_equal_prompts_near_ties_and_deviations():
+    version = lambda ties: {"prompts": 8, "exactly_equal": 8 - len(ties), "near_ties": ties, "max_deviation": [0.01, 0.03], "failures": []}  # noqa: E731
+    tie = {"prompt": 1, "position": 4, "gap": 0.012, "max_deviation_before": 0.02, "deviation_at": 0.01}
+    metrics = {**LORA_HEAD, "top_logprobs": 5, "lp_tol": 0.1, "tie_tol": 0.2, "versions": {"1": version([tie]), "2": version([])}, "base": "equal"}
+    row = _lora_row(metrics)
+    assert "rank 16, 168 tensors; replica start 40.1 s (eager); publish_adapter [0.5, 0.4] s" in row
+    assert "(top-5 logprobs, lp_tol 0.1, tie_tol 0.2)" in row
+    assert "version 1: 7 of 8 prompts equal, near-ties: prompt 1 at token 4 (gap 0.012, deviation 0.02 before, 0.01 there), largest logprob deviation 0.03" in row
+    assert "version 2: 8 of 8 prompts equal, largest logprob deviation 0.03" in row
+    assert "without an adapter equal" in row
+
+
+def test_a_lora_check_that_failed_on_its_first_version_says_why_and_what_it_did_not_reach():
+    failed = {"prompts": 8, "exactly_equal": 1, "near_ties": [], "max_deviation": [0.02, 2.5], "failures": [{"prompt": 1, "reason": "token 0 (5): 2.5 apart > lp_tol 0.1"}]}
+    row = _lora_row({**LORA_HEAD, "top_logprobs": 5, "lp_tol": 0.1, "tie_tol": 0.2, "versions": {"1": failed}}, outcome="failed")
+    assert "version 1: 1 of 8 prompts equal, **failed**: prompt 1: token 0 (5): 2.5 apart > lp_tol 0.1, largest logprob deviation 2.5" in row
+    assert "version 2" not in row and "without an adapter not reached" in row
+
+
+def test_lora_results_from_before_logprobs_were_judged_still_render():
+    row = _lora_row({**LORA_HEAD, "greedy": "equal for versions 1 and 2, and the base model without an adapter"})
+    assert row.endswith("publish_adapter [0.5, 0.4] s; greedy equal for versions 1 and 2, and the base model without an adapter |")
