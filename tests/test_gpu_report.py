@@ -77,19 +77,19 @@ def _lora_row(metrics: dict, outcome: str = "passed") -> str:
 
 
 def test_the_lora_row_shows_per_version_equal_prompts_near_ties_and_deviations():
-    version = lambda ties: {"prompts": 8, "exactly_equal": 8 - len(ties), "near_ties": ties, "max_deviation": [0.01, 0.03], "failures": []}  # noqa: E731
+    version = lambda ties: {"prompts": 8, "exactly_equal": 8 - len(ties), "near_ties": ties, "max_deviation": [0.01, 0.03], "failures": [], "accepted_against_the_other_version": 0}  # noqa: E731
     tie = {"prompt": 1, "position": 4, "gap": 0.012, "max_deviation_before": 0.02, "deviation_at": 0.01}
     metrics = {**LORA_HEAD, "top_logprobs": 5, "lp_tol": 0.1, "tie_tol": 0.2, "versions": {"1": version([tie]), "2": version([])}, "base": "equal"}
     row = _lora_row(metrics)
     assert "rank 16, 168 tensors; replica start 40.1 s (eager); publish_adapter [0.5, 0.4] s" in row
     assert "(top-5 logprobs, lp_tol 0.1, tie_tol 0.2)" in row
-    assert "version 1: 7 of 8 prompts equal, near-ties: prompt 1 at token 4 (gap 0.012, deviation 0.02 before, 0.01 there), largest logprob deviation 0.03" in row
-    assert "version 2: 8 of 8 prompts equal, largest logprob deviation 0.03" in row
+    assert "version 1: 7 of 8 prompts equal, near-ties: prompt 1 at token 4 (gap 0.012, deviation 0.02 before, 0.01 there), largest logprob deviation 0.03, accepted against the other version's reference 0" in row
+    assert "version 2: 8 of 8 prompts equal, largest logprob deviation 0.03, accepted" in row
     assert "without an adapter equal" in row
 
 
 def test_a_lora_check_that_failed_on_its_first_version_says_why_and_what_it_did_not_reach():
-    failed = {"prompts": 8, "exactly_equal": 1, "near_ties": [], "max_deviation": [0.02, 2.5], "failures": [{"prompt": 1, "reason": "token 0 (5): 2.5 apart > lp_tol 0.1"}]}
+    failed = {"prompts": 8, "exactly_equal": 1, "near_ties": [], "max_deviation": [0.02, 2.5], "failures": [{"prompt": 1, "reason": "token 0 (5): 2.5 apart > lp_tol 0.1"}], "accepted_against_the_other_version": 0}
     row = _lora_row({**LORA_HEAD, "top_logprobs": 5, "lp_tol": 0.1, "tie_tol": 0.2, "versions": {"1": failed}}, outcome="failed")
     assert "version 1: 1 of 8 prompts equal, **failed**: prompt 1: token 0 (5): 2.5 apart > lp_tol 0.1, largest logprob deviation 2.5" in row
     assert "version 2" not in row and "without an adapter not reached" in row

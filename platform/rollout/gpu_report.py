@@ -148,7 +148,8 @@ _lora_head = _filled("rank {rank}, {adapter_tensors} tensors; replica start {rep
 
 def _lora(m: dict[str, Any]) -> str:
     """Check 12: results from before it judged logprobs say ``greedy``; later ones, per
-    adapter version, how many prompts were equal, each near-tie and each failure."""
+    adapter version, how many prompts were equal, each near-tie and each failure, and how
+    many the judgement accepted against the other version's reference (the control: 0)."""
     if "versions" not in m:
         return _lora_head(m) + f"greedy {m.get('greedy')}"
     parts = []
@@ -163,6 +164,7 @@ def _lora(m: dict[str, Any]) -> str:
             + (f", near-ties: {ties}" if ties else "")
             + (f", **failed**: {failures}" if failures else "")
             + f", largest logprob deviation {max(s['max_deviation'], default=None)}"
+            + f", accepted against the other version's reference {s.get('accepted_against_the_other_version')}"
         )
     return (
         _lora_head(m)

@@ -194,7 +194,9 @@ def test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_
 
     Recorded per version, before anything is asserted (a failing run still says how close
     it came): how many prompts were equal, each near-tie (prompt, position, gap, deviation
-    before it), each prompt's largest logprob deviation, and any failure's reason."""
+    before it), each prompt's largest logprob deviation, any failure's reason, and how many
+    prompts the judgement would accept against the other version's reference: a control
+    that must be none, or the judgement could not tell a wrong adapter from the right one."""
     import ray
 
     from rollout.api import RolloutRequest, SamplingConfig
@@ -254,12 +256,18 @@ def test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_
             t0 = time.perf_counter()
             assert pub.publish_adapter(LORA_NAME, tensors, config) == v
             publish_s.append(time.perf_counter() - t0)
-            verdicts, spans = [], []
-            for p, (want_ids, want_top) in zip(PROMPTS, want[v]):
+            other = 2 if v == 1 else 1
+            verdicts, controls, spans = [], [], []
+            for p, (want_ids, want_top), (other_ids, other_top) in zip(PROMPTS, want[v], want[other]):
                 (r,) = app.handle.generate_sync([RolloutRequest(prompt_token_ids=p, sampling=sampling, adapter=LORA_NAME)])
-                verdicts.append(judge(r.samples[0].token_ids, r.samples[0].logprobs, want_ids, want_top))
-                spans.append({(s.adapter, s.adapter_version) for s in r.samples[0].weight_versions})
+                sample = r.samples[0]
+                verdicts.append(judge(sample.token_ids, sample.logprobs, want_ids, want_top))
+                # The control: the same output against the other version's reference, which
+                # the judgement must refuse, or its tolerances cannot tell adapters apart.
+                controls.append(judge(sample.token_ids, sample.logprobs, other_ids, other_top))
+                spans.append({(s.adapter, s.adapter_version) for s in sample.weight_versions})
             judged[str(v)] = lora_summary(verdicts)
+            judged[str(v)]["accepted_against_the_other_version"] = sum(c.ok for c in controls)
             record(replica_start_s=round(app.start_s, 1), publish_adapter_s=[round(s, 3) for s in publish_s], versions=judged)
             failed = [f"prompt {i}: {j.reason}" for i, j in enumerate(verdicts) if not j.ok]
             assert not failed, f"adapter version {v}: " + "; ".join(failed)
@@ -267,6 +275,10 @@ def test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_
             # sequence of MAX_TOKENS greedy tokens; near-ties alone could hide it on short prefixes.
             assert any(j.equal for j in verdicts), f"adapter version {v}: no prompt's {MAX_TOKENS} tokens equal the reference's: {judged[str(v)]}"
             assert all(s == {(LORA_NAME, v)} for s in spans), spans
+            assert not any(c.ok for c in controls), (
+                f"adapter version {v}'s output passes against version {other}'s reference for prompts "
+                f"{[i for i, c in enumerate(controls) if c.ok]}: the tolerances do not tell the adapters apart"
+            )
     finally:
         pub.close()
     assert greedy(on_platform(app.handle)) == base, "requests naming no adapter get the base model's tokens"
