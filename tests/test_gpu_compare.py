@@ -38,48 +38,32 @@ def test_a_difference_at_a_near_tie_after_an_agreeing_prefix_is_accepted():
     assert v.deviation_at == pytest.approx(0.04)
 
 
-def test_a_difference_where_the_reference_clearly_prefers_its_token_is_refused():
+REFUSED = {
     # At position 3 the reference puts 23 0.9 nats behind its 13: no honest flip.
-    got = [10, 11, 12, 23]
-    v = judge(got, [-0.5, -1.0, -0.2, -1.6], WANT, WANT_TOP)
-    assert not v.ok and v.position == 3
-    assert v.gap == pytest.approx(0.9) and v.gap > TIE_TOL
-    assert "not a near-tie" in v.reason and "token 3" in v.reason
-
-
-def test_a_logprob_deviation_before_the_difference_is_refused_even_at_a_near_tie():
+    "a clear preference": ([10, 11, 12, 23], [-0.5, -1.0, -0.2, -1.6], 3, ("gap", 0.9), "token 3: the reference prefers its 13 over the platform's 23 by 0.9000 > tie_tol"),
     # Token 0 agrees but its logprob is 0.3 nats off: other weights, whatever token 1 does.
-    got = [10, 21, 99, 98]
-    v = judge(got, [-0.8, -1.05, -0.3, -0.4], WANT, WANT_TOP)
-    assert not v.ok and v.position == 1
-    assert v.max_deviation == pytest.approx(0.3) and v.max_deviation > LP_TOL
-    assert "token 0" in v.reason and "lp_tol" in v.reason
+    "a deviation before a near-tie": ([10, 21, 99, 98], [-0.8, -1.05, -0.3, -0.4], 1, ("max_deviation", 0.3), "token 0 (10): logprob -0.8000 on the platform, -0.5000 on the reference"),
+    "equal tokens, far logprobs": (WANT, [-0.5, -1.0, -0.2, -1.7], None, ("max_deviation", 1.0), "token 3 (13): logprob -1.7000"),
+    "a token outside the top k": ([10, 11, 77, 5], [-0.5, -1.0, -0.2, -0.3], 2, ("gap", None), "the platform's 77 is not in the reference's top 3"),
+    # At a near-tie the platform's logprob of its own token must agree with the reference's too.
+    "a deviation at the near-tie": ([10, 21, 99, 98], [-0.5, -0.6, -0.3, -0.4], 1, ("deviation_at", 0.45), "token 1: the platform's 21 has logprob -0.6000 there, the reference -1.0500"),
+    # One a prefix of the other: equal as far as both go, but not the same output.
+    "different lengths": (WANT[:3], [-0.5, -1.0, -0.2], None, ("compared", 3), "lengths differ: 3 tokens on the platform, 4 on the reference"),
+}
 
 
-def test_equal_tokens_with_far_logprobs_are_refused():
-    v = judge(WANT, [-0.5, -1.0, -0.2, -1.7], WANT, WANT_TOP)
-    assert not v.ok and not v.equal
-    assert "token 3" in v.reason and v.max_deviation == pytest.approx(1.0)
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_the_judgement_refuses(case):
+    got, got_logprobs, position, (field, value), reason = REFUSED[case]
+    v = judge(got, got_logprobs, WANT, WANT_TOP)
+    assert not v.ok and not v.equal and v.position == position
+    assert getattr(v, field) == (value if value is None else pytest.approx(value))
+    assert reason in v.reason
 
 
-def test_a_token_outside_the_references_top_k_is_refused():
-    got = [10, 11, 77, 5]
-    v = judge(got, [-0.5, -1.0, -0.2, -0.3], WANT, WANT_TOP)
-    assert not v.ok and v.position == 2 and v.gap is None
-    assert "77 is not in the reference's top 3" in v.reason
-
-
-def test_the_platforms_logprob_of_its_own_token_at_the_difference_must_agree_too():
-    got = [10, 21, 99, 98]
-    v = judge(got, [-0.5, -0.6, -0.3, -0.4], WANT, WANT_TOP)
-    assert not v.ok and v.position == 1 and v.deviation_at == pytest.approx(0.45)
-    assert "token 1" in v.reason and "lp_tol" in v.reason
-
-
-def test_sequences_of_different_lengths_are_refused_even_when_one_is_a_prefix_of_the_other():
-    v = judge(WANT[:3], [-0.5, -1.0, -0.2], WANT, WANT_TOP)
-    assert not v.ok and v.position is None and v.compared == 3
-    assert "lengths differ: 3 tokens on the platform, 4 on the reference" in v.reason
+def test_the_refusals_are_beyond_the_tolerances():
+    assert REFUSED["a clear preference"][3][1] > TIE_TOL
+    assert min(REFUSED[c][3][1] for c in ("a deviation before a near-tie", "equal tokens, far logprobs", "a deviation at the near-tie")) > LP_TOL
 
 
 def test_a_non_finite_logprob_never_agrees():
