@@ -26,6 +26,13 @@ def _row(text: str, marker: str) -> str:
     return row
 
 
+def _check_row(check: str, metrics: dict, marker: str, **entry) -> str:
+    """The table row (found by ``marker``) of a run that recorded ``metrics`` for ``check``;
+    ``entry``: the check's outcome (passed unless given) and error."""
+    results = {"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": {check: {"outcome": "passed", **entry, "metrics": metrics}}}
+    return _row(render([(results, "docs/gpu/x.json")]), marker)
+
+
 def test_the_fleet_row_shows_publish_time_per_replica_count_and_the_ratio_to_the_goal():
     metrics = {
         "trainer_gpu": 3,
@@ -35,8 +42,7 @@ def test_the_fleet_row_shows_publish_time_per_replica_count_and_the_ratio_to_the
         "publish_3_vs_1": 1.1,
         "first_3_vs_1": 1.125,
     }
-    results = {"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": {FLEET: {"outcome": "passed", "metrics": metrics}}}
-    row = _row(render([(results, "docs/gpu/x.json")]), "Many replicas")
+    row = _check_row(FLEET, metrics, "Many replicas")
     assert "| passed |" in row
     assert "2.96 GB from cuda:3" in row
     assert "into 1: 0.25 s (0.8 s); into 2: 0.26 s (0.85 s); into 3: 0.275 s (0.9 s)" in row
@@ -48,8 +54,7 @@ def test_the_fleet_row_shows_publish_time_per_replica_count_and_the_ratio_to_the
 def test_a_fleet_check_that_failed_part_way_shows_what_it_reached():
     # Cut short after two counts, one replica of which served other tokens: no ratio yet.
     metrics = {"trainer_gpu": 0, "bytes": 1e9, "goal_ratio": 1.2, "fleet": [_point(1, 0.25, 0.8), _point(2, 0.3, 0.9, greedy="prompt 3: first difference at token 5")]}
-    results = {"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": {FLEET: {"outcome": "failed", "error": "AssertionError: 2 replicas", "metrics": metrics}}}
-    row = _row(render([(results, "docs/gpu/x.json")]), "Many replicas")
+    row = _check_row(FLEET, metrics, "Many replicas", outcome="failed", error="AssertionError: 2 replicas")
     assert "**failed**: AssertionError: 2 replicas" in row
     assert "into 2: 0.3 s (0.9 s)" in row and " vs 1 = " not in row
     assert "2 replicas: {'r0': 'prompt 3: first difference at token 5'" in row
@@ -65,3 +70,39 @@ def test_checks_without_a_row_of_their_own_are_grouped_by_their_file():
     text = render([({"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": checks}, "x.json")])
     assert "| Trainer-side senders on a GPU (`tests/gpu/test_gpu_senders.py`) | 2 of 2 passed |  |" in text
     assert "| Further GPU checks (`tests/gpu/test_gpu_direct.py`) | 0 of 1 passed | `test_a_direct_publish`: **failed**: AssertionError: slow |" in text
+
+
+LORA = "test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_with_it"
+LORA_HEAD = {"rank": 16, "adapter_tensors": 168, "replica_start_s": 40.1, "publish_adapter_s": [0.5, 0.4]}
+
+
+def _lora_row(metrics: dict, **entry) -> str:
+    return _check_row(LORA, metrics, "12. A LoRA adapter", **entry)
+
+
+def test_the_lora_row_shows_per_version_equal_prompts_near_ties_and_deviations():
+    version = lambda ties: {"prompts": 8, "exactly_equal": 8 - len(ties), "near_ties": ties, "max_deviation": [0.01, 0.03], "failures": [], "accepted_against_the_other_version": 0}  # noqa: E731
+    tie = {"prompt": 1, "position": 4, "gap": 0.012, "max_deviation_before": 0.02, "deviation_at": 0.01}
+    metrics = {**LORA_HEAD, "top_logprobs": 5, "lp_tol": 0.1, "tie_tol": 0.2, "versions": {"1": version([tie]), "2": version([])}, "base": "equal"}
+    row = _lora_row(metrics)
+    parts = [
+        "| passed | rank 16, 168 tensors; replica start 40.1 s (eager); publish_adapter [0.5, 0.4] s; ",
+        "against a fresh engine with the adapter (top-5 logprobs, lp_tol 0.1, tie_tol 0.2): ",
+        "version 1: 7 of 8 prompts equal, near-ties: prompt 1 at token 4 (gap 0.012, deviation 0.02 before, 0.01 there), "
+        "largest logprob deviation 0.03, accepted against the other version's reference 0; ",
+        "version 2: 8 of 8 prompts equal, largest logprob deviation 0.03, accepted against the other version's reference 0; ",
+        "without an adapter equal |",
+    ]
+    assert "".join(parts) in row, row
+
+
+def test_a_lora_check_that_failed_on_its_first_version_says_why_and_what_it_did_not_reach():
+    failed = {"prompts": 8, "exactly_equal": 1, "near_ties": [], "max_deviation": [0.02, 2.5], "failures": [{"prompt": 1, "reason": "token 0 (5): 2.5 apart > lp_tol 0.1"}], "accepted_against_the_other_version": 0}
+    row = _lora_row({**LORA_HEAD, "top_logprobs": 5, "lp_tol": 0.1, "tie_tol": 0.2, "versions": {"1": failed}}, outcome="failed")
+    assert "version 1: 1 of 8 prompts equal, **failed**: prompt 1: token 0 (5): 2.5 apart > lp_tol 0.1, largest logprob deviation 2.5" in row
+    assert "version 2" not in row and "without an adapter not reached" in row
+
+
+def test_lora_results_from_before_logprobs_were_judged_still_render():
+    row = _lora_row({**LORA_HEAD, "greedy": "equal for versions 1 and 2, and the base model without an adapter"})
+    assert row.endswith("publish_adapter [0.5, 0.4] s; greedy equal for versions 1 and 2, and the base model without an adapter |")

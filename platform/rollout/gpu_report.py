@@ -143,6 +143,37 @@ _salt = _filled(
 )
 
 
+_lora_head = _filled("rank {rank}, {adapter_tensors} tensors; replica start {replica_start_s} s (eager); publish_adapter {publish_adapter_s} s; ")
+
+
+def _lora(m: dict[str, Any]) -> str:
+    """Check 12: results from before it judged logprobs say ``greedy``; later ones, per
+    adapter version, how many prompts were equal, each near-tie and each failure, and how
+    many the judgement accepted against the other version's reference (the control: 0)."""
+    if "versions" not in m:
+        return _lora_head(m) + f"greedy {m.get('greedy')}"
+    parts = []
+    for v, s in m["versions"].items():
+        ties = "; ".join(
+            f"prompt {t['prompt']} at token {t['position']} (gap {t['gap']}, deviation {t['max_deviation_before']} before, {t['deviation_at']} there)"
+            for t in s.get("near_ties", [])
+        )
+        failures = "; ".join(f"prompt {f['prompt']}: {f['reason']}" for f in s.get("failures", []))
+        parts.append(
+            f"version {v}: {s['exactly_equal']} of {s['prompts']} prompts equal"
+            + (f", near-ties: {ties}" if ties else "")
+            + (f", **failed**: {failures}" if failures else "")
+            + f", largest logprob deviation {max(s['max_deviation'], default=None)}"
+            + f", accepted against the other version's reference {s.get('accepted_against_the_other_version')}"
+        )
+    return (
+        _lora_head(m)
+        + f"against a fresh engine with the adapter (top-{m.get('top_logprobs')} logprobs, lp_tol {m.get('lp_tol')}, tie_tol {m.get('tie_tol')}): "
+        + "; ".join(parts)
+        + f"; without an adapter {m.get('base', 'not reached')}"
+    )
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -191,7 +222,7 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     ),
     "test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_with_it": (
         "12. A LoRA adapter published as a versioned policy serves like a fresh engine given the same adapter (one GPU)",
-        _filled("rank {rank}, {adapter_tensors} tensors; replica start {replica_start_s} s (eager); publish_adapter {publish_adapter_s} s; greedy {greedy}"),
+        _lora,
     ),
 }
 

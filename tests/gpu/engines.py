@@ -1,7 +1,8 @@
 """What the GPU checks compare the platform against, in Ray actors pinned to given GPUs.
 
 * :class:`BareEngine`: a fresh vLLM ``AsyncLLM`` built from the same engine arguments as
-  the platform's replicas (``rollout.engine.args.engine_kwargs``): the greedy reference,
+  the platform's replicas (``rollout.engine.args.engine_kwargs``): the greedy reference
+  (its tokens, or its tokens with each position's top-k logprobs),
   the throughput floor, and (with vLLM's NCCL weight-transfer engine) the target of the
   one-RPC-per-tensor publishing pattern.
 * :class:`FloorReceiver`: the far end of a raw NCCL broadcast (vLLM's own
@@ -59,19 +60,27 @@ class BareEngine:
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         return time.perf_counter() - t0
 
-    async def _run(self, requests: list[Any], lora: Optional[tuple[str, int, str]] = None) -> list[list[int]]:
+    async def _run(self, requests: list[Any], lora: Optional[tuple[str, int, str]] = None, top_logprobs: Optional[int] = None) -> list[Any]:
         from vllm.lora.request import LoRARequest
 
         from rollout.engine.convert import to_sampling_params
 
         adapter = LoRARequest(*lora) if lora else None
 
-        async def one(i: int, r: Any) -> list[int]:
+        async def one(i: int, r: Any) -> Any:
             final = None
             params = to_sampling_params(r.sampling, r.n)
+            if top_logprobs is not None:
+                # The request's own config asks for the sampled token's logprob at most
+                # (SamplingConfig.logprobs is a flag); the judgement needs the top k.
+                params.logprobs = top_logprobs
             async for out in self.engine.generate({"prompt_token_ids": r.prompt_token_ids}, params, f"bare-{i}-{time.monotonic_ns()}", lora_request=adapter):
                 final = out
-            return list(final.outputs[0].token_ids)
+            completion = final.outputs[0]
+            if top_logprobs is None:
+                return list(completion.token_ids)
+            # Plain dicts for Ray: vLLM's Logprob objects (or its FlatLogprobs) stay here.
+            return list(completion.token_ids), [{int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs]
 
         return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
 
@@ -79,6 +88,12 @@ class BareEngine:
         """Token ids of each request's first sample, in request order; ``lora``: vLLM's
         ``LoRARequest(name, id, path)`` arguments of an adapter to run them with."""
         return await self._run(requests, lora)
+
+    async def generate_with_logprobs(self, requests: list[Any], top_logprobs: int, lora: Optional[tuple[str, int, str]] = None) -> list[tuple[list[int], list[dict[int, float]]]]:
+        """As :meth:`generate`, with each position's ``top_logprobs`` most likely tokens and
+        their logprobs (token id -> logprob; the sampled token always among them, as vLLM
+        adds it when it is not in the top k): what ``tests.gpu.compare.judge`` takes."""
+        return await self._run(requests, lora, top_logprobs)
 
     async def timed(self, requests: list[Any]) -> tuple[int, float]:
         """(generated tokens, seconds) for one concurrent round."""
