@@ -72,12 +72,12 @@ model: $(MODEL)/model.safetensors
 test: install model tools netfilter
 	@mkdir -p build
 	@echo "make test: the shared-cluster e2e modules here; every other test beside them (build/test-beside.log, printed at the end)"
-	@$(BIN)/python -m pytest -q -rs --durations=20 -p no:cacheprovider -m "not e2e and not quarantine" tests > build/test-beside.log 2>&1 & beside=$$!; \
+	@t0=$$(date +%s); $(BIN)/python -m pytest -q -rs --durations=20 -p no:cacheprovider -m "not e2e and not quarantine" tests > build/test-beside.log 2>&1 & beside=$$!; \
 	trap 'kill $$beside 2>/dev/null' INT TERM; \
 	$(BIN)/python -m pytest -q -rs --durations=20 -m "e2e and not quarantine" tests; shared=$$?; \
 	wait $$beside; other=$$?; \
 	echo "==== every test but the shared-cluster e2e modules (build/test-beside.log) ===="; cat build/test-beside.log; \
-	echo "make test: shared-cluster e2e modules exit $$shared, every other test exit $$other"; \
+	echo "make test: shared-cluster e2e modules exit $$shared, every other test exit $$other; both in $$(( $$(date +%s) - t0 )) s"; \
 	[ $$shared -eq 0 ] && [ $$other -eq 0 ]
 
 # Several hosts on one machine (network namespaces, so root): a trainer outside the Ray
