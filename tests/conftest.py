@@ -144,15 +144,11 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def reference(ray_cluster, model_dir):
-    """Started as soon as it is requested; its engine loads while the Serve app deploys."""
-    from ray import cloudpickle
+    """The base model's reference. Started as soon as it is requested; its engine loads while
+    the Serve app deploys."""
+    from tests.reference import reference_engine
 
-    import tests.reference
-    from tests.reference import ReferenceLLM
-
-    # Workers cannot import the tests package; ship the actor's code with it.
-    cloudpickle.register_pickle_by_value(tests.reference)
-    return ReferenceLLM.remote(str(model_dir), MAX_MODEL_LEN, KV_BYTES)
+    return reference_engine(model_dir, MAX_MODEL_LEN, KV_BYTES)
 
 
 @pytest.fixture(scope="session")
@@ -166,8 +162,8 @@ def policy_v2(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_v2(ray_cluster, policy_v2):
-    """A fresh engine on :func:`policy_v2`, started once for both modules (an engine start
-    is ~30 s of CPU here)."""
+    """The reference on :func:`policy_v2`, for both modules (the session's one engine,
+    tests/reference.py)."""
     from tests.test_weight_sync_e2e import reference_engine
 
     return reference_engine(policy_v2[1])

@@ -79,7 +79,7 @@ async def test_a_sparse_change_goes_as_a_delta_and_serves_like_a_fresh_engine_an
     from rollout.app import deploy
 
     v1, v2, v2_dir = policies
-    reference = reference_engine(v2_dir)  # loads while the publishes run
+    reference = reference_engine(v2_dir)  # the session's engine; it loads v2 when first asked
     publisher = WeightPublisher.connect(app_name=delta_platform(1).app_name, token=SYNC_TOKEN)
     try:
         first = await asyncio.to_thread(publisher.publish, v1)

@@ -60,10 +60,11 @@ def saved_policy(model_dir, tmp_path_factory, seed: int):
 
 
 def reference_engine(checkpoint):
-    """A fresh engine loaded with ``checkpoint``: what every replica must answer like."""
-    from tests.reference import ReferenceLLM
+    """The reference on ``checkpoint`` (answers like a fresh engine loaded with it): what
+    every replica must answer like."""
+    from tests.reference import reference_engine as shared
 
-    return ReferenceLLM.remote(str(checkpoint), MAX_MODEL_LEN, KV_BYTES)
+    return shared(checkpoint, MAX_MODEL_LEN, KV_BYTES)
 
 
 async def assert_every_replica_serves(handle_client, reference, replicas: int, prompts=PROMPTS, version=None, rounds: int = 8):
