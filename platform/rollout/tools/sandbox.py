@@ -210,7 +210,8 @@ class Sandbox:
         logger.info("python tool sandbox: %s, %s", version, cgroup_note)
         with open(BOOT, "rb") as f:
             self._boot = f.read()
-        self._layout = _top_level_layout() + _python_binds()
+        self._layout = _top_level_layout()
+        self._python = _python_binds()
         self.isolation = self._probe()
 
     # ---- one call -----------------------------------------------------------------
@@ -235,6 +236,10 @@ class Sandbox:
             cmd += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
         cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
         cmd += ["--size", str(limits.disk_bytes), "--perms", "0700", "--tmpfs", WORKDIR, "--chdir", WORKDIR]
+        # The interpreter after the working directory: bubblewrap mounts in order, and a
+        # virtualenv under /tmp (a checkout there) would otherwise be hidden by the tmpfs
+        # ("execvp .../python3: No such file or directory"): bound on top, read-only.
+        cmd += self._python
         cmd += ["--ro-bind-data", str(fds["boot"]), "/sandbox/boot.py", "--ro-bind-data", str(fds["code"]), "/sandbox/main.py"]
         cmd += ["--seccomp", str(fds["seccomp"]), "--remount-ro", "/"]
         for k, v in env.items():
