@@ -174,6 +174,27 @@ def _lora(m: dict[str, Any]) -> str:
     )
 
 
+def _direct(m: dict[str, Any]) -> str:
+    """Issue 29's receive: vLLM's NCCL engine and ours, each several rounds on the same bytes."""
+    theirs, ours = m.get("vllm") or {}, m.get("direct") or {}
+    if not ours:
+        return ""
+    return (
+        f"{m.get('bytes', 0) / 1e9:.2f} GB in {m.get('tensors')} tensors, {m.get('rounds_per_engine')} rounds per engine "
+        f"(steady medians, the first round left out): vLLM's engine publish {theirs.get('publish_s_median')} s "
+        f"(receive {theirs.get('receive_s_median')} s), ours {ours.get('publish_s_median')} s (receive {ours.get('receive_s_median')} s): "
+        f"**{m.get('speedup_publish')}x faster**; our rounds' paths {ours.get('paths')}; engine starts {theirs.get('start_s')} s "
+        f"(vLLM's, first) and {ours.get('start_s')} s (ours, second)"
+    )
+
+
+_sparse = _filled(
+    "replica start {replica_start_s} s; publish 1 ({first_mode}) {first_publish_s} s, publish 2 ({delta_mode}) {delta_publish_s} s "
+    "sending {delta_bytes_sent} bytes against {full_bytes} in full; greedy {greedy}; over HTTP publish 1 {http_first_mode}, "
+    "publish 2 {http_delta_mode} ({http_delta_bytes_sent} bytes), greedy {greedy_over_http}"
+)
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -223,6 +244,14 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_with_it": (
         "12. A LoRA adapter published as a versioned policy serves like a fresh engine given the same adapter (one GPU)",
         _lora,
+    ),
+    "test_our_direct_nccl_engine_receives_the_same_weights_faster_than_vllms": (
+        "13. The `nccl` backend's direct receive against vLLM's own NCCL engine, on the same bytes into a bare engine (two GPUs)",
+        _direct,
+    ),
+    "test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_exactly_the_published_weights": (
+        "14. `sparse_nccl`: publishes through vLLM's sparse NCCL engine serve exactly the published weights (two GPUs)",
+        _sparse,
     ),
 }
 
