@@ -356,10 +356,18 @@ def test_sparse_nccl_sends_every_tensor_whole_first_then_only_what_changed_in_ou
 
     from rollout.sync.backends.sparse_nccl_worker import DenseOrSparseUpdateInfo
 
-    backend = get_backend("sparse_nccl")
     # Our engine (vLLM's sparse one, taking whole tensors too), under a name of its own.
-    assert backend.vllm_engine == "rollout-sparse-nccl" and backend.worker_engine.endswith("sparse_nccl_worker:DenseOrSparseNCCLWeightTransferEngine")
-    assert not backend.keeps_copy
+    backend = get_backend("sparse_nccl")
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rollout.sync.backends.sparse_nccl_worker import DenseOrSparseNCCLWeightTransferEngine
+    from rollout.sync.vllm_plugin import register
+
+    assert backend.vllm_engine == "rollout-sparse-nccl" and not backend.keeps_copy
+    register()
+    assert WeightTransferEngineFactory._registry["rollout-sparse-nccl"]() is DenseOrSparseNCCLWeightTransferEngine
+    assert WeightTransferEngineFactory._registry["sparse_nccl"]().__name__ == "SparseNCCLWeightTransferEngine"  # vLLM's stays vLLM's
+    assert DenseOrSparseNCCLWeightTransferEngine.update_info_cls is DenseOrSparseUpdateInfo
     v1 = {"w": torch.zeros(100), "b": torch.zeros(10)}
     params = [ParamSpec.of(n, t) for n, t in v1.items()]
     sender = make_sender("sparse_nccl")
