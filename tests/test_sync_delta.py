@@ -514,18 +514,14 @@ _SPARSE_QWEN2 = textwrap.dedent(
     """
     import json, sys, torch
     from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
     from rollout.sync.backends import get_backend
     from rollout.sync.backends.sparse_nccl import broadcast_patches, patches_for
     from rollout.sync.backends.sparse_nccl_worker import DenseOrSparseUpdateInfo, apply_patches, receive
     from rollout.sync.protocol import ParamSpec
     from tests.test_sync_delta import RecordingGroup
+    from tests.vllm_cpu_qwen2 import qwen2_on_cpu
 
     model_dir, port = sys.argv[1], sys.argv[2]
-    cfg = EngineArgs(model=model_dir, dtype="float32", max_model_len=256).create_engine_config()
     backend = get_backend("sparse_nccl")
     snap = lambda: {n: p.detach().clone() for n, p in model.named_parameters()}
     differ = lambda a, b: [n for n in a if not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))]
@@ -543,13 +539,7 @@ _SPARSE_QWEN2 = textwrap.dedent(
         model.load_weights(iter(new.items()))
         return dict(mode=choice.mode, sent=choice.bytes_sent, full=choice.full_bytes, counts=counts, differ=differ(got, snap()))
 
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
-        model = Qwen2ForCausalLM(vllm_config=cfg)
-        g = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.data.copy_(torch.randn(p.shape, generator=g))
+    with qwen2_on_cpu(model_dir, port) as (model, g):
         sd = load_file(f"{model_dir}/model.safetensors")
         first = round_(None, sd)
         new = {n: t.clone() for n, t in sd.items()}
