@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -286,22 +287,11 @@ _QWEN2 = textwrap.dedent(
     """
     import json, sys, torch
     from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
     from rollout.sync.backends.direct_plan import bake
+    from tests.vllm_cpu_qwen2 import qwen2_on_cpu
 
     model_dir, port, tied = sys.argv[1], sys.argv[2], sys.argv[3] == "tied"
-    cfg = EngineArgs(model=model_dir, dtype="float32", max_model_len=256).create_engine_config()
-    cfg.model_config.hf_config.tie_word_embeddings = tied
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
-        model = Qwen2ForCausalLM(vllm_config=cfg)
-        g = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.data.copy_(torch.randn(p.shape, generator=g))
+    with qwen2_on_cpu(model_dir, port, tied) as (model, g):
         sd = load_file(f"{model_dir}/model.safetensors")
         if "lm_head.weight" not in sd:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
@@ -330,7 +320,8 @@ _QWEN2 = textwrap.dedent(
 def test_vllms_own_qwen2_loaders_bake_on_meta_and_the_plan_equals_load_weights(model_dir, tied):
     from tests.conftest import free_port
 
-    out = subprocess.run([sys.executable, "-c", _QWEN2, str(model_dir), str(free_port()), tied], capture_output=True, text=True, timeout=600)
+    root = Path(__file__).resolve().parents[1]  # the script imports tests.vllm_cpu_qwen2
+    out = subprocess.run([sys.executable, "-c", _QWEN2, str(model_dir), str(free_port()), tied], capture_output=True, text=True, timeout=600, cwd=root)
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line is not None, out.stderr[-3000:]
     r = json.loads(line[len("RESULT ") :])

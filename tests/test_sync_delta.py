@@ -5,7 +5,9 @@ coordinator's copy), refusals of a delta onto another base, and sparse_nccl's CP
 from __future__ import annotations
 
 import asyncio
+import textwrap
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -349,19 +351,31 @@ def test_a_delta_is_described_by_fields_the_engine_takes_and_bad_counts_name_the
 # ---- sparse_nccl: what runs without a GPU ------------------------------------------------
 
 
-def test_sparse_nccl_patches_every_element_first_then_only_what_changed_in_vllms_own_update_info():
+def test_sparse_nccl_sends_every_tensor_whole_first_then_only_what_changed_in_our_engines_update_info():
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
-    from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLWeightTransferUpdateInfo
 
+    from rollout.sync.backends.sparse_nccl_worker import DenseOrSparseUpdateInfo
+
+    # Our engine (vLLM's sparse one, taking whole tensors too), under a name of its own.
     backend = get_backend("sparse_nccl")
-    assert backend.vllm_engine == "sparse_nccl" and backend.worker_engine is None and not backend.keeps_copy
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rollout.sync.backends.sparse_nccl_worker import DenseOrSparseNCCLWeightTransferEngine
+    from rollout.sync.vllm_plugin import register
+
+    assert backend.vllm_engine == "rollout-sparse-nccl" and not backend.keeps_copy
+    register()
+    assert WeightTransferEngineFactory._registry["rollout-sparse-nccl"]() is DenseOrSparseNCCLWeightTransferEngine
+    assert WeightTransferEngineFactory._registry["sparse_nccl"]().__name__ == "SparseNCCLWeightTransferEngine"  # vLLM's stays vLLM's
+    assert DenseOrSparseNCCLWeightTransferEngine.update_info_cls is DenseOrSparseUpdateInfo
     v1 = {"w": torch.zeros(100), "b": torch.zeros(10)}
     params = [ParamSpec.of(n, t) for n, t in v1.items()]
     sender = make_sender("sparse_nccl")
     sender.prepare(list(v1.items()))
     first = sender.offer(list(v1.values()))
-    assert sender.choice.mode == "full" and first.num_updates_list == (100, 10) and first.delta_base() is None
-    assert sender.choice.bytes_sent == 110 * (4 + 4)
+    # No base: every tensor whole, the bytes of a dense send (no indices).
+    assert sender.choice.mode == "full" and first.num_updates_list == (delta.DENSE, delta.DENSE) and first.delta_base() is None
+    assert sender.choice.bytes_sent == sender.choice.full_bytes == 110 * 4
     sender.decided(1)
     v2 = {k: t.clone() for k, t in v1.items()}
     v2["w"][[3, 50]] = 2.0
@@ -373,14 +387,195 @@ def test_sparse_nccl_patches_every_element_first_then_only_what_changed_in_vllms
         round_id="round-2-x", version=2, backend="sparse_nccl", members=(Member("a", 1, 1),), params=tuple(params),
         bucket_bytes=1, timeout_s=1.0, transfer=Transfer("10.0.0.1", 29500, 2), pause_mode="keep", transfer_info=backend.check_transfer_info({"num_updates_list": [2, 0], "base_version": 1}),
     )
-    info = SparseNCCLWeightTransferUpdateInfo(**backend.update_info(plan.params, plan.transfer_info))
+    info = DenseOrSparseUpdateInfo(**backend.update_info(plan.params, plan.transfer_info))
     assert info.num_updates_list == [2, 0] and info.names == ["w", "b"]
     init = NCCLWeightTransferInitInfo(**backend.engine_init_info(plan, plan.member("a")))
     assert (init.rank_offset, init.world_size, init.packed) == (1, 2, False)
-    # An aborted delta: the next publish patches every element again.
+    # An aborted delta: the next publish sends every tensor whole again.
     sender.decided(None)
     sender.prepare(list(v2.items()))
-    assert sender.choice.mode == "full"
+    assert sender.choice.mode == "full" and sender.offer([]).num_updates_list == (delta.DENSE, delta.DENSE)
+
+
+def test_sparse_nccl_prices_each_tensor_with_int32_indices_and_goes_full_where_nothing_is_cheaper_as_a_patch():
+    from rollout.sync.backends.sparse_nccl import INDEX_BYTES, patches_for
+
+    assert INDEX_BYTES == 4
+    base = {"few": torch.zeros(100), "most": torch.zeros(100), "same": torch.ones(50), "half": torch.zeros(100, dtype=torch.bfloat16)}
+    new = {k: t.clone() for k, t in base.items()}
+    new["few"][:1] = 1.0  # 1 x (4 + 4) bytes beat 400
+    new["most"][:60] = 1.0  # 60 x 8 = 480 bytes lose to 400: whole
+    new["half"][:30] = 1.0  # 30 x (4 + 2) = 180 beat 200 (with int64 indices 300 would not)
+    patches, choice = patches_for(base, list(new.items()))
+    assert [p.count for p in patches] == [1, delta.DENSE, 0, 30]
+    assert choice.mode == "delta" and choice.full_bytes == 400 + 400 + 200 + 200
+    assert choice.bytes_sent == choice.delta_bytes == 8 + 400 + 180 < choice.full_bytes
+    assert patches[1].indices is None and same_bytes(patches[1].values, new["most"].reshape(-1))
+    assert patches[0].indices.dtype == torch.int32 and patches[0].indices.tolist() == [0] and patches[0].values.tolist() == [1.0]
+    assert patches[2].values.numel() == 0 and patches[2].indices.numel() == 0
+    # Every element changed: no tensor is cheaper as a patch, so the publish is full,
+    # every tensor whole, the bytes of a dense send.
+    everything = {k: t + 1 for k, t in base.items()}
+    patches, choice = patches_for(base, list(everything.items()))
+    assert choice.mode == "full" and choice.bytes_sent == choice.full_bytes == 1200
+    assert all(p.indices is None for p in patches) and sum(p.values.numel() * p.values.element_size() for p in patches) == 1200
+    # Patches against most of a tensor lose even where one is unchanged: still whole.
+    mostly = {k: (t + 1 if k != "same" else t) for k, t in base.items()}
+    patches, choice = patches_for(base, list(mostly.items()))
+    assert [p.count for p in patches] == [delta.DENSE, delta.DENSE, 0, delta.DENSE] and choice.mode == "delta" and choice.bytes_sent == 1000
+
+
+class RecordingGroup:
+    """Stands in for vLLM's PyNcclCommunicator on CPU: the sender's broadcasts recorded in
+    order, or (``replay``) handed back in that order to a receiver's empty tensors."""
+
+    def __init__(self, replay: list[torch.Tensor] | None = None) -> None:
+        self.sent: list[torch.Tensor] = []
+        self.replay = list(replay) if replay is not None else None
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        assert src == 0
+        if self.replay is None:
+            self.sent.append(tensor.clone())
+            return
+        got = self.replay.pop(0)
+        assert (got.dtype, got.shape) == (tensor.dtype, tensor.shape), f"received {tensor.dtype} {tuple(tensor.shape)}, sent {got.dtype} {tuple(got.shape)}"
+        tensor.copy_(got)
+
+
+def _sent_over(monkeypatch, sender, plan, tensors) -> list[torch.Tensor]:
+    """What ``sender.send`` broadcasts, recorded (its communicator and CUDA stream stood in for)."""
+    from rollout.sync.backends import sparse_nccl
+
+    group = RecordingGroup()
+    monkeypatch.setattr(sparse_nccl, "sending_device", lambda tensors, backend: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    monkeypatch.setattr(sender, "_over_communicator", lambda plan, device, broadcast: broadcast(group, device))
+    sender.send(plan, tensors)
+    return group.sent
+
+
+def test_sparse_nccl_broadcasts_a_patchs_indices_then_values_a_whole_tensors_values_alone_and_our_engine_receives_them_in_that_order(monkeypatch):
+    from rollout.errors import InvalidRequestError
+    from rollout.sync.backends.sparse_nccl_worker import DenseOrSparseUpdateInfo, receive
+
+    backend = get_backend("sparse_nccl")
+    base = {"a": torch.zeros(100), "b": torch.zeros(8), "c": torch.zeros(20)}
+    new = {"a": base["a"].clone(), "b": base["b"] + 1, "c": base["c"].clone()}
+    new["a"][[7, 9]] = 3.0
+    sender = make_sender("sparse_nccl")
+    sender.prepare(list(base.items()))
+    sender.decided(4)
+    sender.prepare(list(new.items()))
+    offer = sender.offer(list(new.values()))
+    assert offer == backend.check_transfer_info({"num_updates_list": [2, -1, 0], "base_version": 4})
+    params = tuple(ParamSpec.of(n, t) for n, t in new.items())
+    offer.check_params(params)
+    plan = PushRound(
+        round_id="round-5-x", version=5, backend="sparse_nccl", members=(Member("r", 1, 1),), params=params,
+        bucket_bytes=1, timeout_s=1.0, transfer=Transfer("10.0.0.1", 29500, 2), pause_mode="keep", transfer_info=offer,
+    )
+    sent = _sent_over(monkeypatch, sender, plan, list(new.values()))
+    # a: int32 indices then values; b: its 8 values alone; c: an empty patch (as vLLM's trainer sends one).
+    assert [(t.dtype, t.numel()) for t in sent] == [(torch.int32, 2), (torch.float32, 2), (torch.float32, 8), (torch.int32, 0), (torch.float32, 0)]
+    assert sent[0].tolist() == [7, 9] and sent[1].tolist() == [3.0, 3.0] and same_bytes(sent[2], new["b"])
+
+    info = DenseOrSparseUpdateInfo(**backend.update_info(plan.params, offer))
+    got = list(receive(RecordingGroup(sent), info, torch.device("cpu"), None))
+    assert [(p.name, whole) for p, whole in got] == [("a", False), ("b", True), ("c", False)]
+    assert got[1][0].indices.tolist() == list(range(8)) and same_bytes(got[1][0].values, new["b"])  # indices made here, not sent
+
+    # A round whose counts are not what this sender offered is refused before any byte moves.
+    other = replace(plan, transfer_info=backend.check_transfer_info({"num_updates_list": [2, 0, 0], "base_version": 4}))
+    with pytest.raises(RuntimeError, match="not the ones this sender offered"):
+        _sent_over(monkeypatch, sender, other, list(new.values()))
+    # A full round offers every tensor whole and no base; counts that patch with no base
+    # to patch onto are refused naming the count.
+    with pytest.raises(InvalidRequestError) as e:
+        backend.check_transfer_info({"num_updates_list": [2, -1, 0]}).check_params(params)
+    assert e.value.field == "transfer_info.num_updates_list[0]"
+    backend.check_transfer_info({"num_updates_list": [100, -1, 20]}).check_params(params)  # every element: no base needed
+    with pytest.raises(InvalidRequestError) as e:
+        backend.check_transfer_info({"num_updates_list": [-1, -2, 0], "base_version": 1})
+    assert e.value.field == "transfer_info.num_updates_list[1]"
+    with pytest.raises(ValueError, match="-1 \\(sent whole\\), 0 \\(unchanged\\)"):
+        DenseOrSparseUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2]], num_updates_list=[-2])
+    with pytest.raises(ValueError, match="`shapes` should be of the same size as `names`"):
+        DenseOrSparseUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2], [3]], num_updates_list=[-1])
+
+
+# vLLM's own Qwen2ForCausalLM on CPU, from the demo model (a process of its own: it
+# initializes vLLM's distributed state). Two rounds go sender -> recorded broadcasts ->
+# our engine's receive and apply (vLLM's load_checkpoint_weight_patches, in small groups):
+# a full one (every tensor whole) onto randomized parameters, then a delta mixing whole,
+# patched and unchanged tensors; each must leave the parameters exactly as load_weights
+# of the full new weights does.
+_SPARSE_QWEN2 = textwrap.dedent(
+    """
+    import json, sys, torch
+    from safetensors.torch import load_file
+    from rollout.sync.backends import get_backend
+    from rollout.sync.backends.sparse_nccl import broadcast_patches, patches_for
+    from rollout.sync.backends.sparse_nccl_worker import DenseOrSparseUpdateInfo, apply_patches, receive
+    from rollout.sync.protocol import ParamSpec
+    from tests.test_sync_delta import RecordingGroup
+    from tests.vllm_cpu_qwen2 import qwen2_on_cpu
+
+    model_dir, port = sys.argv[1], sys.argv[2]
+    backend = get_backend("sparse_nccl")
+    snap = lambda: {n: p.detach().clone() for n, p in model.named_parameters()}
+    differ = lambda a, b: [n for n in a if not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))]
+
+    def round_(base, new):
+        named = list(new.items())
+        patches, choice = patches_for(base, named)
+        sent = RecordingGroup()
+        broadcast_patches(sent, patches, torch.device("cpu"), None)
+        counts = tuple(p.count for p in patches)
+        offer = backend.check_transfer_info({"num_updates_list": list(counts), "base_version": 1 if choice.mode == "delta" else None})
+        info = DenseOrSparseUpdateInfo(**backend.update_info([ParamSpec.of(n, t) for n, t in named], offer))
+        apply_patches(model, receive(RecordingGroup(sent.sent), info, torch.device("cpu"), None), chunk_bytes=64 << 10)
+        got = snap()
+        model.load_weights(iter(new.items()))
+        return dict(mode=choice.mode, sent=choice.bytes_sent, full=choice.full_bytes, counts=counts, differ=differ(got, snap()))
+
+    with qwen2_on_cpu(model_dir, port) as (model, g):
+        sd = load_file(f"{model_dir}/model.safetensors")
+        first = round_(None, sd)
+        new = {n: t.clone() for n, t in sd.items()}
+        names = sorted(new, key=lambda n: -new[n].numel())
+        for n in names[:2]:  # every element: whole
+            new[n] += 1.0
+        for n in names[2:6]:  # 1% of the elements: a patch
+            flat = new[n].reshape(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+            flat[idx] += 0.5
+        second = round_(sd, new)  # the rest unchanged
+        print("RESULT " + json.dumps(dict(first=first, second=second, whole=names[:2], patched=names[2:6], order=list(new))))
+    """
+)
+
+
+def test_our_sparse_engine_applies_whole_patched_and_unchanged_tensors_into_vllms_qwen2_as_load_weights_does(model_dir):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _SPARSE_QWEN2, str(model_dir), str(free_port())], capture_output=True, text=True, timeout=600, cwd=root)
+    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line is not None, out.stderr[-3000:]
+    r = json.loads(line[len("RESULT ") :])
+    first, second = r["first"], r["second"]
+    assert first["mode"] == "full" and first["sent"] == first["full"] and set(first["counts"]) == {delta.DENSE}
+    assert first["differ"] == []
+    counts = dict(zip(r["order"], second["counts"]))
+    assert [counts[n] for n in r["whole"]] == [delta.DENSE] * 2 and all(counts[n] > 0 for n in r["patched"])
+    assert {c for n, c in counts.items() if n not in r["whole"] + r["patched"]} == {0}
+    assert second["mode"] == "delta" and second["sent"] < second["full"]
+    assert second["differ"] == []
 
 
 def test_sparse_nccl_refuses_what_vllms_sparse_loader_cannot_patch_naming_the_tensor():
@@ -392,7 +587,7 @@ def test_sparse_nccl_refuses_what_vllms_sparse_loader_cannot_patch_naming_the_te
     with pytest.raises(ValueError, match="sparse_nccl: w holds NaN values"):
         sender.prepare([("w", torch.tensor([1.0, float("nan")]))])
     with pytest.raises(InvalidRequestError, match="SparseNcclDelta"):
-        get_backend("sparse_nccl").check_transfer_info(None)  # every sparse_nccl round is a patch
+        get_backend("sparse_nccl").check_transfer_info(None)  # every sparse_nccl round offers its counts
 
 
 def test_unknown_backends_name_the_delta_forms_too():

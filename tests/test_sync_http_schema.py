@@ -62,6 +62,7 @@ def test_every_begin_round_body_the_schema_refuses_is_refused(schema):
         ({"backend": "gloo_delta", "delta_base_version": 0, "delta_base_digest": "0" * 64, "delta_counts": [-2]}, "transfer_info.delta_counts[0]"),
         ({"backend": "gloo_delta", "delta_base_version": 0, "delta_base_digest": "0" * 63, "delta_counts": [1]}, "transfer_info.delta_base_digest"),
         ({"backend": "sparse_nccl", "num_updates_list": [2**31]}, "transfer_info.num_updates_list[0]"),
+        ({"backend": "sparse_nccl", "num_updates_list": [-1, -2], "base_version": 3}, "transfer_info.num_updates_list[1]"),
         ({"backend": "sparse_nccl", "num_updates_list": [1], "extra": 1}, "transfer_info.extra"),
         ({"backend": "ipc", "ipc_handles_pickled": "gASV"}, "transfer_info.backend"),
         ({"num_updates_list": [1]}, "transfer_info.backend"),

@@ -474,8 +474,6 @@ def _clean_stage_after_a_failure(request, stage):
 def perturbed(cluster) -> Path:
     """A checkpoint of the model with every tensor perturbed (the 'trained' policy),
     saved like ``save_pretrained`` where every replica can read it."""
-    from safetensors.torch import save_file
-
     out = WORK / "checkpoint-perturbed"
     if not (out / "model.safetensors").exists():
         device = f"cuda:{torch.cuda.device_count() - 1}"
@@ -485,13 +483,22 @@ def perturbed(cluster) -> Path:
             for t in tensors.values():
                 noise = torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32)
                 t.add_((noise * (0.5 * float(t.float().std()) + 1e-3)).to(t.dtype))
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({n: t.cpu() for n, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_checkpoint(tensors, out)
         del tensors
         torch.cuda.empty_cache()
-        for f in MODEL.iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors"):
-                shutil.copy(f, out / f.name)
+    return out
+
+
+def save_checkpoint(tensors: dict[str, torch.Tensor], out: Path) -> Path:
+    """``tensors`` saved like ``save_pretrained`` (the model's config and tokenizer beside
+    them) where every replica can read it."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.cpu() for n, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in MODEL.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
     return out
 
 
@@ -929,53 +936,91 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, p
 
 
 def test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_exactly_the_published_weights(stage, perturbed, record):
-    """``sparse_nccl``: vLLM's own sparse NCCL engine on the replica. The first publish
-    (no base) patches every element; the next is a delta against it, applied in place by
-    vLLM's ``load_checkpoint_weight_patches``; greedy equals a fresh engine on the result.
-    Then the same over HTTP (``WeightPublisher.http``, the offer as typed ``transfer_info``)."""
+    """``sparse_nccl``: vLLM's sparse NCCL engine on the replica (ours: it takes whole
+    tensors too). The first publish (no base) sends every tensor whole, the bytes of a
+    dense send; so does the perturbed checkpoint (every element changed: no tensor is
+    cheaper as a patch); a step that changes 1% of four tensors goes as a delta (int32
+    patches, the rest unchanged), applied in place by vLLM's ``load_checkpoint_weight_patches``,
+    and greedy equals a fresh engine on each published checkpoint. Then the same over HTTP
+    (``WeightPublisher.http``, the offer as typed ``transfer_info``)."""
     from rollout.sync import WeightPublisher
 
     app = stage.app_for(platform_cfg("gpu-sparse", "sparse_nccl"))
     record(replica_start_s=round(app.start_s, 1))
-    want = stage.reference(perturbed)
     trainer = torch.device("cuda", app.trainer_gpu)
     base = load_weights(MODEL, str(trainer))
     new = load_weights(perturbed, str(trainer))
+    step = sparse_step(new)
+    stepped = save_checkpoint(step, WORK / "checkpoint-sparse-step")
+    want, want_step = stage.reference(perturbed), stage.reference(stepped)
+
+    def publishes(pub) -> tuple[list[tuple[int, Any, float]], list[list[int]]]:
+        """The three publishes (base, perturbed, the 1% step), each as (version, choice,
+        seconds), and greedy on the platform right after the perturbed one."""
+        out, got_perturbed = [], []
+        for tensors, checkpoint in ((base, MODEL), (new, perturbed), (step, stepped)):
+            t0 = time.perf_counter()
+            version = pub.publish(tensors, checkpoint=str(checkpoint))
+            out.append((version, pub.last_choice, round(time.perf_counter() - t0, 4)))
+            if checkpoint == perturbed:
+                app.committed = version
+                got_perturbed = greedy(on_platform(app.handle))
+        return out, got_perturbed
+
     app.published = True
     pub = WeightPublisher.connect(app_name=app.name, backend="sparse_nccl")
     try:
-        t0 = time.perf_counter()
-        first = pub.publish(base, checkpoint=str(MODEL))
-        first_s, first_choice = round(time.perf_counter() - t0, 4), pub.last_choice
-        t0 = time.perf_counter()
-        version = pub.publish(new, checkpoint=str(perturbed))
-        delta_s, choice = round(time.perf_counter() - t0, 4), pub.last_choice
+        [(first, first_choice, first_s), (version, choice, perturbed_s), (step_version, step_choice, step_s)], got_perturbed = publishes(pub)
     finally:
         pub.close()
-    app.committed = version
+    app.committed = step_version
     got = greedy(on_platform(app.handle))
     record(
-        first_publish_s=first_s, first_mode=first_choice.mode, delta_publish_s=delta_s, delta_mode=choice.mode,
-        delta_bytes_sent=choice.bytes_sent, full_bytes=choice.full_bytes, greedy=first_mismatch(got, want), phases=pub.last_outcome.phases,
+        first_publish_s=first_s, first_mode=first_choice.mode, first_bytes_sent=first_choice.bytes_sent,
+        perturbed_publish_s=perturbed_s, perturbed_mode=choice.mode, perturbed_bytes_sent=choice.bytes_sent,
+        delta_publish_s=step_s, delta_mode=step_choice.mode, delta_bytes_sent=step_choice.bytes_sent, delta_rule=step_choice.rule,
+        full_bytes=choice.full_bytes, greedy_perturbed=first_mismatch(got_perturbed, want), greedy=first_mismatch(got, want_step), phases=pub.last_outcome.phases,
     )
-    assert first_choice.mode == "full" and choice.mode == "delta" and version == first + 1
-    assert got == want, first_mismatch(got, want)
+    full = choice.full_bytes
+    assert (first_choice.mode, first_choice.bytes_sent, first_choice.full_bytes) == ("full", full, full)
+    assert (choice.mode, choice.bytes_sent) == ("full", full)
+    assert step_choice.mode == "delta" and step_choice.bytes_sent < full and (version, step_version) == (first + 1, first + 2)
+    assert got_perturbed == want, first_mismatch(got_perturbed, want)
+    assert got == want_step, first_mismatch(got, want_step)
 
     # A trainer outside the Ray cluster, through the ingress: it holds no base, so its first
-    # publish patches every element, and its next one goes as a delta.
+    # two publishes go whole, and its 1% step as a delta.
     over_http = WeightPublisher.http(f"http://127.0.0.1:{HTTP_PORT}", api_key=API_KEY, backend="sparse_nccl")
     try:
-        http_first = over_http.publish(base, checkpoint=str(MODEL))
-        http_first_choice = over_http.last_choice
-        http_version = over_http.publish(new, checkpoint=str(perturbed))
-        http_choice = over_http.last_choice
+        [(http_first, http_first_choice, _), (_, http_choice, _), (http_version, http_step_choice, _)], http_got_perturbed = publishes(over_http)
     finally:
         over_http.close()
     app.committed = http_version
     got = greedy(on_platform(app.handle))
-    record(http_first_mode=http_first_choice.mode, http_delta_mode=http_choice.mode, http_delta_bytes_sent=http_choice.bytes_sent, greedy_over_http=first_mismatch(got, want))
-    assert http_first == version + 1 and http_first_choice.mode == "full" and http_choice.mode == "delta" and http_version == http_first + 1
-    assert got == want, first_mismatch(got, want)
+    record(
+        http_first_mode=http_first_choice.mode, http_perturbed_mode=http_choice.mode, http_delta_mode=http_step_choice.mode,
+        http_delta_bytes_sent=http_step_choice.bytes_sent, greedy_over_http=first_mismatch(got, want_step),
+    )
+    assert http_first == step_version + 1 and http_version == http_first + 2
+    assert [c.mode for c in (http_first_choice, http_choice, http_step_choice)] == ["full", "full", "delta"]
+    assert http_first_choice.bytes_sent == http_choice.bytes_sent == full and http_step_choice.bytes_sent < full
+    assert http_got_perturbed == want, first_mismatch(http_got_perturbed, want)
+    assert got == want_step, first_mismatch(got, want_step)
+
+
+def sparse_step(tensors: dict[str, torch.Tensor], tensors_changed: int = 4, fraction: float = 0.01) -> dict[str, torch.Tensor]:
+    """``tensors`` after a step that moves ``fraction`` of the elements of the
+    ``tensors_changed`` largest tensors (each by a few percent of its size, so its bf16 bytes
+    change) and leaves every other tensor as it is."""
+    out = dict(tensors)
+    g = torch.Generator(device="cpu").manual_seed(99)
+    for name in sorted(tensors, key=lambda n: -tensors[n].numel())[:tensors_changed]:
+        t = tensors[name].clone()
+        flat = t.reshape(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))].to(flat.device)
+        flat[idx] += (flat[idx].float().abs() * 0.05 + 1e-3).to(flat.dtype)
+        out[name] = t
+    return out
 
 
 # ---- tensor parallelism --------------------------------------------------------

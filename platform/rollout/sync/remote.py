@@ -41,7 +41,7 @@ class SyncParam(BaseModel):
 MAX_COUNT = 2**53
 MAX_TENSORS = 1 << 20
 Count = Annotated[int, Field(ge=DENSE, le=MAX_COUNT), BeforeValidator(_integral)]
-Patched = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_integral)]
+Patched = Annotated[int, Field(ge=DENSE, le=INT32_MAX), BeforeValidator(_integral)]
 BaseVersion = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_integral)]
 
 
@@ -69,17 +69,17 @@ class GlooDeltaBody(BaseModel):
 
 
 class SparseNcclBody(BaseModel):
-    """A ``sparse_nccl`` round's patch (rollout.sync.backends.delta_info.SparseNcclDelta)
-    as it travels over HTTP."""
+    """A ``sparse_nccl`` round's counts (rollout.sync.backends.delta_info.SparseNcclDelta)
+    as they travel over HTTP."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     info_cls: ClassVar[type[TransferInfo]] = SparseNcclDelta
     backend: Literal["sparse_nccl"]
     num_updates_list: list[Patched] = Field(
-        min_length=1, max_length=MAX_TENSORS, description="vLLM's `num_updates_list`: per parameter, in `params` order, the number of elements patched."
+        min_length=1, max_length=MAX_TENSORS, description="Per parameter, in `params` order: -1 sent whole (its values only), 0 unchanged, k the number of elements patched (int32 indices and values)."
     )
     base_version: Optional[BaseVersion] = Field(
-        default=None, description="The committed version the patch applies onto (any other is refused: 409 `delta_base_error`); null: every element, the first publish."
+        default=None, description="The committed version the delta applies onto (any other is refused: 409 `delta_base_error`); null: a full round, every parameter sent whole (-1)."
     )
 
     def info(self) -> SparseNcclDelta:

@@ -17,7 +17,7 @@ from rollout.errors import InvalidRequestError
 from rollout.sync.backends.base import TransferInfo
 from rollout.sync.protocol import ParamSpec
 
-DENSE = -1  # a gloo_delta tensor's count when it travels whole (rollout.sync.delta)
+DENSE = -1  # a delta backend's count for a tensor that travels whole (rollout.sync.delta)
 INT32_MAX = 2**31 - 1  # vLLM's sparse engine indexes with int32
 
 
@@ -69,16 +69,22 @@ class GlooDelta(TransferInfo):
 
 @dataclass(frozen=True)
 class SparseNcclDelta(TransferInfo):
-    """What a ``sparse_nccl`` round patches: vLLM's ``num_updates_list`` (per tensor, the
-    round's order) and the version it applies onto (None: every element, the first publish)."""
+    """What a ``sparse_nccl`` round sends: per tensor (the round's order) -1 (whole, its
+    values only), 0 (unchanged) or k (a patch of k int32 indices and values), as the
+    ``num_updates_list`` of our engine's update info (vLLM's, with -1 allowed:
+    ``sparse_nccl_worker``), and the version it applies onto (None: a full round, every
+    tensor whole)."""
 
     num_updates_list: tuple[int, ...] = field(default=())
     base_version: Optional[int] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_updates_list", tuple(self.num_updates_list))
-        if not self.num_updates_list or any(not isinstance(n, int) or n < 0 for n in self.num_updates_list):
-            raise InvalidRequestError("transfer_info.num_updates_list", "one count (>= 0) of patched elements per tensor")
+        if not self.num_updates_list:
+            raise InvalidRequestError("transfer_info.num_updates_list", "one count per tensor, in the round's order; got none")
+        for i, n in enumerate(self.num_updates_list):
+            if not isinstance(n, int) or isinstance(n, bool) or n < DENSE or n > INT32_MAX:
+                raise InvalidRequestError(f"transfer_info.num_updates_list[{i}]", f"{DENSE} (sent whole), 0 (unchanged) or the number of patched elements (at most {INT32_MAX}); got {n!r}")
         if self.base_version is not None and self.base_version < 0:
             raise InvalidRequestError("transfer_info.base_version", f"must be >= 0, got {self.base_version}")
 
@@ -87,6 +93,13 @@ class SparseNcclDelta(TransferInfo):
 
     def check_params(self, params: Sequence[ParamSpec]) -> None:
         _check_counts("transfer_info.num_updates_list", self.num_updates_list, params)
+        if self.base_version is None:
+            # No base to patch onto: every element must arrive (whole, or a patch of all of them).
+            for i, (n, p) in enumerate(zip(self.num_updates_list, params)):
+                if n not in (DENSE, _numel(p)):
+                    raise InvalidRequestError(
+                        f"transfer_info.num_updates_list[{i}]", f"{n} of {p.name}'s {_numel(p)} elements with no base_version: a round without a base sends every tensor whole ({DENSE})"
+                    )
 
     def update_fields(self) -> dict[str, Any]:
         return {"num_updates_list": list(self.num_updates_list)}

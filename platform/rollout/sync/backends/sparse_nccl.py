@@ -1,13 +1,18 @@
-"""The ``sparse_nccl`` backend, for GPU engines: vLLM's own sparse NCCL engine on the
+"""The ``sparse_nccl`` backend, for GPU engines: vLLM's sparse NCCL engine on the
 replicas (``vllm.distributed.weight_transfer.sparse_nccl_engine``), which receives
 flat-index patches in checkpoint coordinates and applies them in place through the
-model's loader (``load_checkpoint_weight_patches``).
+model's loader (``load_checkpoint_weight_patches``), extended by our engine
+(:mod:`~rollout.sync.backends.sparse_nccl_worker`) to take a tensor whole as well.
 
-Every round is a patch: against the publisher's committed base, the elements that changed
-(:func:`rollout.sync.delta.changed_indices`), int32 indices then values per tensor, as
-vLLM's ``SparseNCCLTrainerWeightTransferEngine`` broadcasts them; the first publish (no
-base) patches every element. The offer (:class:`SparseNcclDelta`) carries vLLM's
-``num_updates_list`` and the base version: the coordinator refuses a delta whose base is
+Each publish is priced as ``gloo_delta``'s is (:func:`rollout.sync.delta.compute`, with
+vLLM's int32 indices): against the publisher's committed base, a tensor goes as a patch
+(its changed elements' int32 indices, then their values) where that is cheaper than its
+dense bytes, else whole (its values only, no indices), and nothing where nothing changed
+(an empty patch, as vLLM's trainer engine sends one). The publish is a delta where the
+sum beats a full send; otherwise, and with no base (the first publish, or after an
+aborted delta), every tensor goes whole: a full round, the bytes of a dense send. The
+offer (:class:`SparseNcclDelta`) carries the per-tensor counts (-1 whole, 0 unchanged, k
+patched) and, for a delta, its base version: the coordinator refuses a delta whose base is
 not the committed version, and every replica one whose base is not the version it serves,
 before anything loads. The live weights are the base (the engine patches them in place),
 so no copy is kept on the replicas; the trainer keeps its base on the tensors' device.
@@ -28,7 +33,7 @@ import torch
 
 from rollout.sync import delta
 from rollout.sync.backends.base import SendChoice, TransferRound
-from rollout.sync.backends.delta_info import INT32_MAX, SparseNcclDelta  # torch-free: the ingress types it too
+from rollout.sync.backends.delta_info import DENSE, INT32_MAX, SparseNcclDelta  # torch-free: the ingress types it too
 from rollout.sync.backends.cuda_device import sending_device
 from rollout.sync.backends.nccl import NcclBackend, NcclSender
 from rollout.sync.protocol import Member, PushRound
@@ -43,40 +48,73 @@ INDEX_BYTES = 4  # vLLM's sparse engine takes int32 indices
 
 @dataclass(frozen=True)
 class Patch:
-    indices: torch.Tensor  # int32, on the sending device
-    values: torch.Tensor
+    """One tensor as it goes on the wire: ``indices`` (int32) then ``values`` for a patch
+    (empty for an unchanged tensor), ``values`` alone, the whole tensor flat, where
+    ``indices`` is None (it travels whole)."""
+
+    values: torch.Tensor  # on the sending device
+    indices: Optional[torch.Tensor] = None
+
+    @property
+    def count(self) -> int:
+        """The tensor's count in the offer: DENSE where it travels whole."""
+        return DENSE if self.indices is None else self.indices.numel()
 
 
-def patches_for(base: Optional[dict[str, torch.Tensor]], named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[Patch], SendChoice]:
-    """Each tensor's patch against ``base`` (every element where there is none), and the
-    choice it comes to. Raises ``ValueError`` naming the tensor where vLLM's sparse loader
-    would refuse it (not floating, NaN values, more elements than int32 indexes)."""
-    out: list[Patch] = []
-    full = sent = changed = 0
+def _check_patchable(name: str, t: torch.Tensor) -> None:
+    """``ValueError`` naming the tensor where vLLM's sparse loader would refuse it."""
+    if not t.is_floating_point():
+        raise ValueError(f"sparse_nccl: {name} is {t.dtype}; vLLM's sparse loader patches floating tensors only (use 'nccl')")
+    if t.numel() > INT32_MAX:
+        raise ValueError(f"sparse_nccl: {name} has {t.numel()} elements, more than int32 indices address (use 'nccl')")
+
+
+def patches_for(base: Optional[dict[str, torch.Tensor]], named: Sequence[tuple[str, torch.Tensor]], why_full: str = "no committed base") -> tuple[list[Patch], SendChoice]:
+    """What each tensor sends against ``base`` (priced by :func:`rollout.sync.delta.compute`;
+    every tensor whole where there is no base, ``why_full`` saying why), and the choice it
+    comes to. Raises ``ValueError`` naming the tensor where vLLM's sparse loader would refuse
+    it (not floating, NaN values, more elements than int32 indexes)."""
     for name, t in named:
-        if not t.is_floating_point():
-            raise ValueError(f"sparse_nccl: {name} is {t.dtype}; vLLM's sparse loader patches floating tensors only (use 'nccl')")
-        if t.numel() > INT32_MAX:
-            raise ValueError(f"sparse_nccl: {name} has {t.numel()} elements, more than int32 indices address (use 'nccl')")
-        flat = t.detach().reshape(-1)
-        idx = delta.changed_indices(base[name], t) if base is not None else torch.arange(flat.numel(), device=flat.device)
-        values = flat[idx.to(flat.device)]
-        if bool(torch.isnan(values).any()):
-            raise ValueError(f"sparse_nccl: {name} holds NaN values; vLLM's sparse loader reserves NaN for unchanged elements (use 'nccl')")
-        out.append(Patch(idx.to(device=flat.device, dtype=torch.int32), values.contiguous()))
-        full += t.numel() * t.element_size()
-        sent += idx.numel() * (INDEX_BYTES + t.element_size())
-        changed += idx.numel()
+        _check_patchable(name, t)
     if base is None:
-        rule = f"no committed base held by this publisher: every element patched, {sent} bytes (a dense nccl send: {full})"
-        return out, SendChoice(mode="full", bytes_sent=sent, full_bytes=full, delta_bytes=None, changed_elements=changed, rule=rule)
-    rule = f"{changed} changed elements: {sent} bytes as a delta, {full} bytes in full"
-    return out, SendChoice(mode="delta", bytes_sent=sent, full_bytes=full, delta_bytes=sent, changed_elements=changed, rule=rule)
+        choice = delta.full_choice(named, f"{why_full}: every tensor whole")
+        counts = [DENSE] * len(named)
+        computed = None
+    else:
+        computed = delta.compute(base, named, INDEX_BYTES)
+        choice = computed.choice
+        # A full publish sends every tensor whole (compute comes to "full" only where each
+        # changed tensor is cheaper whole and none is unchanged).
+        counts = computed.counts if choice.mode == "delta" else [DENSE] * len(named)
+    out: list[Patch] = []
+    for i, ((name, t), count) in enumerate(zip(named, counts)):
+        flat = t.detach().reshape(-1)
+        if count == DENSE:
+            # The sparse loader stages NaN for "unchanged": a NaN value cannot land (nor could a patch carry one).
+            if bool(torch.isnan(flat).any()):
+                raise ValueError(f"sparse_nccl: {name} holds NaN values; vLLM's sparse loader reserves NaN for unchanged elements (use 'nccl')")
+            out.append(Patch(flat.contiguous()))
+        else:
+            d = computed.tensors[i]
+            out.append(Patch(d.values.contiguous(), d.indices.to(device=flat.device, dtype=torch.int32)))
+    return out, choice
+
+
+def broadcast_patches(group: Any, patches: Sequence[Patch], device: torch.device, stream: Any) -> None:
+    """The round's bytes, in the order our engine receives them
+    (``sparse_nccl_worker``): per tensor, a patch's int32 indices then its values, as vLLM's
+    ``SparseNCCLTrainerWeightTransferEngine._broadcast_chunk`` sends them, or a whole
+    tensor's values alone."""
+    for p in patches:
+        if p.indices is not None:
+            group.broadcast(p.indices.to(device), src=0, stream=stream)
+        group.broadcast(p.values.to(device), src=0, stream=stream)
 
 
 class SparseNcclSender(NcclSender):
-    """Rank 0 of vLLM's sparse NCCL engine's communicator (kept across rounds as
-    :class:`NcclSender` keeps it), broadcasting what vLLM's sparse trainer engine does."""
+    """Rank 0 of the sparse NCCL engine's communicator (kept across rounds as
+    :class:`NcclSender` keeps it), broadcasting patches as vLLM's sparse trainer engine
+    does and whole tensors as values alone (:func:`broadcast_patches`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,28 +125,26 @@ class SparseNcclSender(NcclSender):
 
     def prepare(self, named: Sequence[tuple[str, torch.Tensor]], full_because: Optional[str] = None) -> None:
         base = self._base[1] if self._base is not None and not full_because else None
+        why = full_because or "no committed base held by this publisher (its first publish, or the last delta round aborted)"
         if base is not None and set(base) != {n for n, _ in named}:
-            base = None
-        self._patches, self.choice = patches_for(base, named)
-        self._was_delta = base is not None
+            base, why = None, "the tensors differ from the base's"
+        self._patches, self.choice = patches_for(base, named, why)
+        self._was_delta = self.choice.mode == "delta"
         # The next base (copied: the trainer changes its tensors after publish returns).
         self._sent = {n: t.detach().clone() for n, t in named}
         logger.info("publish as %s: %s", self.choice.mode, self.choice.rule)
 
     def offer(self, tensors: Sequence[torch.Tensor]) -> SparseNcclDelta:
-        return SparseNcclDelta(tuple(p.indices.numel() for p in self._patches), self._base[0] if self._was_delta else None)
+        return SparseNcclDelta(tuple(p.count for p in self._patches), self._base[0] if self._was_delta else None)
 
     def send(self, plan: TransferRound, tensors: Sequence[torch.Tensor]) -> None:
         if not isinstance(plan, PushRound) or not isinstance(plan.transfer_info, SparseNcclDelta):
-            raise RuntimeError(f"{plan.round_id}: sparse_nccl sends only the patches it offered")
+            raise RuntimeError(f"{plan.round_id}: sparse_nccl sends only what it offered")
+        if plan.transfer_info.num_updates_list != tuple(p.count for p in self._patches):
+            raise RuntimeError(f"{plan.round_id}: the round's counts are not the ones this sender offered")
 
         def broadcast(group: Any, device: torch.device) -> None:
-            stream = torch.cuda.current_stream()
-            # vLLM's SparseNCCLTrainerWeightTransferEngine._broadcast_chunk: per tensor, its
-            # indices then its values; the engine receives in the same order.
-            for p in self._patches:
-                group.broadcast(p.indices.to(device), src=0, stream=stream)
-                group.broadcast(p.values.to(device), src=0, stream=stream)
+            broadcast_patches(group, self._patches, device, torch.cuda.current_stream())
 
         self._over_communicator(plan, sending_device(tensors, "sparse_nccl"), broadcast)
 
@@ -117,7 +153,7 @@ class SparseNcclSender(NcclSender):
         if version is not None and sent is not None:
             self._base = (version, sent)
         elif self._was_delta:
-            logger.warning("a delta round aborted: the next publish patches every element")
+            logger.warning("a delta round aborted: the next publish sends every tensor whole")
             self._base = None
         self._patches = []
 
@@ -131,8 +167,11 @@ class SparseNcclBackend(NcclBackend):
     name = "sparse_nccl"
     sender_cls = SparseNcclSender
     transfer_info_cls = SparseNcclDelta
-    worker_engine = None  # vLLM's own engine of this name
-    engine_name = None
+    # Replicas receive with vLLM's sparse NCCL engine, extended to take a tensor whole (its
+    # values, no indices) through the same loader (sparse_nccl_worker). Registered under a
+    # name of its own: "sparse_nccl" in vLLM's factory is vLLM's engine.
+    worker_engine = "rollout.sync.backends.sparse_nccl_worker:DenseOrSparseNCCLWeightTransferEngine"
+    engine_name = "rollout-sparse-nccl"
 
     def init_info(self, plan: TransferRound, member: Member) -> "NCCLWeightTransferInitInfo":
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
