@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from rollout.engine.args import CPU_ENGINE_ENV
+from tests.engines import KV_BYTES, MAX_MODEL_LEN, TEST_MODEL
 from tests.hosts import SYNC_POLLING
 
-# The reference engines (bare vLLM, in this process's Ray cluster and on the test hosts,
-# which inherit this environment) compile as the platform's replicas do on CPU, so they
-# share vLLM's compile cache with them (rollout.engine.args.prepare_engine_environment).
+# Test engines run eager (tests/engines.py); an engine a test starts on the platform's
+# defaults (tests/test_cli_serve.py) compiles, and gets the replicas' environment for it
+# (rollout.engine.args.prepare_engine_environment).
 for _key, _value in CPU_ENGINE_ENV.items():
     os.environ.setdefault(_key, _value)
 # Ray starts its workers (replicas, engines, reference engines) at nice 15. `make test`
@@ -50,9 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "build" / "model"
 API_KEY = "test-key-0123456789"
 SYNC_TOKEN = "sync-token-0123456789"
-MAX_MODEL_LEN = 512
 MAX_N = 8
-KV_BYTES = 256 << 20
 MAX_BODY_BYTES = 1 << 20  # http.max_body_bytes of the session platform
 
 
@@ -177,7 +176,7 @@ def platform_config(model_dir, tmp_path_factory):
     key_file.write_text(API_KEY + "\n")
     return cpu_config(
         model_dir,
-        model={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES},
+        model=TEST_MODEL,
         http={"port": free_port(), "api_key_file": str(key_file), "host": "127.0.0.1", "max_body_bytes": MAX_BODY_BYTES},
         metrics={"port": METRICS_PORT},
         limits={"max_n": MAX_N},

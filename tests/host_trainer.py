@@ -93,8 +93,10 @@ def reference(model_dir: str, seed: int, out_dir: str, prompts_json: str, max_to
         save_file({n: published[n].contiguous() for n in tensors}, str(target / name))
     from vllm import LLM, SamplingParams
 
+    from tests.engines import ENFORCE_EAGER, KV_BYTES, MAX_MODEL_LEN
+
     # As tests/reference.py builds its engine, and as the platform's replicas are configured.
-    llm = LLM(model=str(target), max_model_len=512, kv_cache_memory_bytes=256 << 20, dtype="float32", seed=0, enable_prefix_caching=True)
+    llm = LLM(model=str(target), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES, dtype="float32", seed=0, enable_prefix_caching=True, enforce_eager=ENFORCE_EAGER)
     prompts = json.loads(prompts_json)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}

@@ -70,6 +70,8 @@ from typing import Iterator
 
 from rollout.processes import end
 
+from tests.engines import TEST_MODEL
+
 ROOT = Path(__file__).resolve().parents[1]
 # sync.poll_s and sync.silent_polls of every test platform (these hosts' and
 # tests/conftest.py's): a replica that stopped polling (killed, its host lost, a test's
@@ -452,11 +454,12 @@ class Hosts:
         return Logged(self.head, argv, self.dir / "rollout-serve.log", env)
 
     def platform_config(self, model_dir: Path, api_key_file: Path, replicas: int = 1, **sections: dict) -> dict:
-        """A ``rollout serve`` config for these hosts: the demo model on CPU, small KV
-        cache, HTTP on every address of the head, ``replicas`` replicas (one per Ray host:
-        ``deployment.num_cpus`` is ``ENGINE_CPUS``); ``sections`` merged over it."""
+        """A ``rollout serve`` config for these hosts: the demo model on CPU as every test
+        engine runs (tests/engines.py), HTTP on every address of the head, ``replicas``
+        replicas (one per Ray host: ``deployment.num_cpus`` is ``ENGINE_CPUS``);
+        ``sections`` merged over it."""
         config = {
-            "model": {"path": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20},
+            "model": {"path": str(model_dir), "device": "cpu", "dtype": "float32", **TEST_MODEL},
             "deployment": {"replicas": replicas, "num_cpus": ENGINE_CPUS},
             "http": {"host": "0.0.0.0", "port": HTTP_PORT, "api_key_file": str(api_key_file)},
             "metrics": {"enabled": False},

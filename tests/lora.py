@@ -45,19 +45,21 @@ def write_adapter(directory: Path, tensors: dict[str, torch.Tensor], config: dic
 
 def reference_with_lora(max_model_len: int, kv_cache_memory_bytes: int, max_lora_rank: int):
     """A fresh vLLM engine (``vllm.LLM``, in a Ray actor) with vLLM's LoRA support: what the
-    platform must answer like for a request naming an adapter."""
+    platform must answer like for a request naming an adapter; in the test engines' mode
+    (tests/engines.py), as the replicas it is compared with."""
     import ray
     from ray import cloudpickle
 
     import tests.lora
+    from tests.engines import ENFORCE_EAGER
 
     cloudpickle.register_pickle_by_value(tests.lora)  # workers cannot import the tests package
-    return ray.remote(num_cpus=0)(LoraReferenceLLM).remote(max_model_len, kv_cache_memory_bytes, max_lora_rank)
+    return ray.remote(num_cpus=0)(LoraReferenceLLM).remote(max_model_len, kv_cache_memory_bytes, max_lora_rank, ENFORCE_EAGER)
 
 
 class LoraReferenceLLM:
-    def __init__(self, max_model_len: int, kv_cache_memory_bytes: int, max_lora_rank: int):
-        self.args = dict(max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes, max_lora_rank=max_lora_rank)
+    def __init__(self, max_model_len: int, kv_cache_memory_bytes: int, max_lora_rank: int, enforce_eager: bool):
+        self.args = dict(max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes, max_lora_rank=max_lora_rank, enforce_eager=enforce_eager)
         self.llm = None
 
     def start(self, model_path: str) -> None:

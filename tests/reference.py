@@ -21,7 +21,7 @@ ACTOR_NAME = "reference-llm"
 
 @ray.remote(num_cpus=0)
 class ReferenceLLM:
-    def __init__(self, model_path: str, max_model_len: int, kv_cache_memory_bytes: int):
+    def __init__(self, model_path: str, max_model_len: int, kv_cache_memory_bytes: int, enforce_eager: bool):
         from vllm import LLM
 
         self.llm = LLM(
@@ -31,6 +31,7 @@ class ReferenceLLM:
             dtype="float32",
             seed=0,
             enable_prefix_caching=True,
+            enforce_eager=enforce_eager,
         )
         self.loaded = model_path
 
@@ -97,13 +98,15 @@ class Reference:
 def reference_engine(checkpoint, max_model_len: int, kv_cache_memory_bytes: int) -> Reference:
     """The session's reference engine, bound to ``checkpoint``. The engine is a named actor
     in the test session's Ray cluster: the first call starts it (loading ``checkpoint``, so
-    the first user pays no reload), later calls find it."""
+    the first user pays no reload), later calls find it. It runs in the test engines' mode
+    (tests/engines.py), as the replicas it is compared with."""
     from ray import cloudpickle
 
     import tests.reference
+    from tests.engines import ENFORCE_EAGER
 
     # Workers cannot import the tests package; ship the actor's code with it.
     cloudpickle.register_pickle_by_value(tests.reference)
     path = str(checkpoint)
-    actor = ReferenceLLM.options(name=ACTOR_NAME, get_if_exists=True).remote(path, max_model_len, kv_cache_memory_bytes)
+    actor = ReferenceLLM.options(name=ACTOR_NAME, get_if_exists=True).remote(path, max_model_len, kv_cache_memory_bytes, ENFORCE_EAGER)
     return Reference(actor, path)

@@ -15,6 +15,8 @@ import time
 import psutil
 import pytest
 
+from tests.engines import ENFORCE_EAGER
+
 BUILD = """
 import asyncio, sys
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -22,7 +24,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from rollout.engine.args import engine_kwargs
 from rollout.local import cpu_config
 
-cfg = cpu_config(sys.argv[1], model={"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20})
+cfg = cpu_config(sys.argv[1], model={"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20, "enforce_eager": sys.argv[2] == "True"})
 
 async def main():
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(cfg.model, "cpu")))
@@ -45,7 +47,7 @@ MODES = {
 def test_the_engine_core_and_its_workers_die_with_the_process_that_built_them(model_dir, mode):
     multiprocessing, titles = MODES[mode]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
-    proc = subprocess.Popen([sys.executable, "-c", BUILD, str(model_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", BUILD, str(model_dir), str(ENFORCE_EAGER)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
     engine_procs: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 300

@@ -32,6 +32,7 @@ import pytest
 
 from rollout.sync.net import PortRange
 from tests import hosts_firewall as fw
+from tests.engines import TEST_MODEL
 from tests.hosts import HEAD_ADDRESS, HTTP_PORT, ROOT, TRAINER_ADDRESS, CannotMakeHosts, Host, Hosts, _ip, made
 
 API_KEY = "ports-key-0123456789"
@@ -210,7 +211,7 @@ def hosts():
 def trainer(hosts, model_dir):
     key_file = hosts.api_key_file(API_KEY)
     config = {
-        "model": {"path": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 256 << 20},
+        "model": {"path": str(model_dir), "device": "cpu", "dtype": "float32", **TEST_MODEL},
         "http": {"host": "0.0.0.0", "port": HTTP_PORT, "api_key_file": str(key_file)},
         "sync": {"timeout_s": SYNC_TIMEOUT_S, "rendezvous_ports": str(KEEPER_PORTS)},
         "metrics": {"enabled": False},

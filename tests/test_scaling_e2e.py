@@ -22,7 +22,8 @@ from rollout.client import RolloutClient
 from rollout.config import PlatformConfig
 from rollout.local import cpu_config
 from rollout.sync import WeightPublisher
-from tests.conftest import KV_BYTES, MAX_MODEL_LEN, METRICS_PORT, SYNC_TOKEN, wait_until
+from tests.conftest import METRICS_PORT, SYNC_TOKEN, wait_until
+from tests.engines import TEST_MODEL
 from tests.test_weight_sync_e2e import perturbed_policy
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +48,7 @@ def scaling_app(platform, model_dir):
     base = cpu_config(
         model_dir,
         app_name=APP,
-        model={"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_bytes": KV_BYTES},
+        model=TEST_MODEL,
         # Serve runs one HTTP proxy per cluster: this app shares the shared app's port.
         http={"port": platform.http.port, "host": "127.0.0.1"},
         metrics={"port": METRICS_PORT},
