@@ -77,7 +77,7 @@ model: $(MODEL)/model.safetensors
 # cross-host modules, each with hosts and a cluster of its own, and the tests that need no
 # shared cluster. The second lane's output goes to build/test-beside.log and is printed
 # after the first; the target fails when either lane does.
-# Setup first: the two virtualenvs at once (checkov's, ~27 s, beside the project's, ~105 s on
+# Setup first: the two virtualenvs at once (checkov's, ~27 s, beside the project's, ~55 s on
 # a clean clone), then what needs the project's; the lanes start once everything is there.
 test:
 	@$(MAKE) --no-print-directory -j2 -Otarget $(STAMP) $(TOOLS)/bin/checkov
