@@ -967,14 +967,19 @@ def test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_ex
                 got_perturbed = greedy(on_platform(app.handle))
         return out, got_perturbed
 
+    def publish_and_serve(pub) -> tuple[list[tuple[int, Any, float]], list[list[int]], list[list[int]]]:
+        """The three publishes through ``pub`` (then closed), greedy after the perturbed
+        one, and greedy once the step is committed."""
+        try:
+            out, got_perturbed = publishes(pub)
+        finally:
+            pub.close()
+        app.committed = out[-1][0]
+        return out, got_perturbed, greedy(on_platform(app.handle))
+
     app.published = True
     pub = WeightPublisher.connect(app_name=app.name, backend="sparse_nccl")
-    try:
-        [(first, first_choice, first_s), (version, choice, perturbed_s), (step_version, step_choice, step_s)], got_perturbed = publishes(pub)
-    finally:
-        pub.close()
-    app.committed = step_version
-    got = greedy(on_platform(app.handle))
+    [(first, first_choice, first_s), (version, choice, perturbed_s), (step_version, step_choice, step_s)], got_perturbed, got = publish_and_serve(pub)
     record(
         first_publish_s=first_s, first_mode=first_choice.mode, first_bytes_sent=first_choice.bytes_sent,
         perturbed_publish_s=perturbed_s, perturbed_mode=choice.mode, perturbed_bytes_sent=choice.bytes_sent,
@@ -990,13 +995,9 @@ def test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_ex
 
     # A trainer outside the Ray cluster, through the ingress: it holds no base, so its first
     # two publishes go whole, and its 1% step as a delta.
-    over_http = WeightPublisher.http(f"http://127.0.0.1:{HTTP_PORT}", api_key=API_KEY, backend="sparse_nccl")
-    try:
-        [(http_first, http_first_choice, _), (_, http_choice, _), (http_version, http_step_choice, _)], http_got_perturbed = publishes(over_http)
-    finally:
-        over_http.close()
-    app.committed = http_version
-    got = greedy(on_platform(app.handle))
+    [(http_first, http_first_choice, _), (_, http_choice, _), (http_version, http_step_choice, _)], http_got_perturbed, got = publish_and_serve(
+        WeightPublisher.http(f"http://127.0.0.1:{HTTP_PORT}", api_key=API_KEY, backend="sparse_nccl")
+    )
     record(
         http_first_mode=http_first_choice.mode, http_perturbed_mode=http_choice.mode, http_delta_mode=http_step_choice.mode,
         http_delta_bytes_sent=http_step_choice.bytes_sent, greedy_over_http=first_mismatch(got, want_step),
