@@ -106,3 +106,15 @@ def test_a_lora_check_that_failed_on_its_first_version_says_why_and_what_it_did_
 def test_lora_results_from_before_logprobs_were_judged_still_render():
     row = _lora_row({**LORA_HEAD, "greedy": "equal for versions 1 and 2, and the base model without an adapter"})
     assert row.endswith("publish_adapter [0.5, 0.4] s; greedy equal for versions 1 and 2, and the base model without an adapter |")
+
+
+SPARSE = "test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_exactly_the_published_weights"
+
+
+def test_the_sparse_row_reads_two_publishes_from_old_records_and_three_from_new_ones():
+    old = {"replica_start_s": 109.4, "first_mode": "full", "first_publish_s": 1.48, "delta_mode": "delta", "delta_publish_s": 0.35, "delta_bytes_sent": 8847039900, "full_bytes": 2959694848, "greedy": "equal"}
+    row = _check_row(SPARSE, old, "14. ")
+    assert "publish 2 (delta) 0.35 s sending 8847039900 bytes against 2959694848" in row and "1% step" not in row
+    new = {**old, "first_bytes_sent": 2959694848, "perturbed_mode": "full", "perturbed_publish_s": 0.3, "perturbed_bytes_sent": 2959694848, "delta_bytes_sent": 59000000}
+    row = _check_row(SPARSE, new, "14. ")
+    assert "the perturbed checkpoint (full) 0.3 s sending 2959694848" in row and "a 1% step (delta) 0.35 s sending 59000000" in row

@@ -188,11 +188,25 @@ def _direct(m: dict[str, Any]) -> str:
     )
 
 
-_sparse = _filled(
-    "replica start {replica_start_s} s; publish 1 ({first_mode}) {first_publish_s} s, publish 2 ({delta_mode}) {delta_publish_s} s "
-    "sending {delta_bytes_sent} bytes against {full_bytes} in full; greedy {greedy}; over HTTP publish 1 {http_first_mode}, "
-    "publish 2 {http_delta_mode} ({http_delta_bytes_sent} bytes), greedy {greedy_over_http}"
-)
+def _sparse(m: dict[str, Any]) -> str:
+    """Check 14. Records from before whole tensors (48c03e3) have two publishes (base, then the
+    perturbed checkpoint as ``delta_*``); later ones three (base, perturbed, then a 1% step
+    as ``delta_*``)."""
+    if not m:
+        return ""
+    f = lambda template: template.format_map(_OrNone(m))  # noqa: E731
+    head = f("replica start {replica_start_s} s; publish 1 ({first_mode}) {first_publish_s} s")
+    if "perturbed_mode" not in m:
+        return head + f(
+            ", publish 2 ({delta_mode}) {delta_publish_s} s sending {delta_bytes_sent} bytes against {full_bytes} in full; greedy {greedy}; "
+            "over HTTP publish 1 {http_first_mode}, publish 2 {http_delta_mode} ({http_delta_bytes_sent} bytes), greedy {greedy_over_http}"
+        )
+    return head + f(
+        " sending {first_bytes_sent} bytes, the perturbed checkpoint ({perturbed_mode}) {perturbed_publish_s} s sending {perturbed_bytes_sent}, "
+        "a 1% step ({delta_mode}) {delta_publish_s} s sending {delta_bytes_sent}, of {full_bytes} bytes in full; greedy {greedy_perturbed} after the "
+        "perturbed one, {greedy} after the step; over HTTP {http_first_mode}, {http_perturbed_mode}, {http_delta_mode} ({http_delta_bytes_sent} bytes), "
+        "greedy {greedy_over_http}"
+    )
 
 
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
