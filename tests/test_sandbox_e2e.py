@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import socket
+import tempfile
 import uuid
 
 import psutil
@@ -46,6 +47,13 @@ async def run_python(client, code: str):
     return result
 
 
+def stdout(result) -> str:
+    """What the code printed, from the tool's JSON (whose status the code cannot write)."""
+    said = json.loads(result.output)
+    assert set(said) <= {"status", "stdout", "stderr", "truncated"}, said
+    return said["stdout"]
+
+
 def tool_workers() -> dict[int, psutil.Process]:
     return {p.pid: p for p in psutil.process_iter(["cmdline"]) if "ToolWorker" in " ".join(p.info["cmdline"] or [])}
 
@@ -54,7 +62,7 @@ async def assert_the_platform_serves_on(client):
     (r,) = await client.generate([RolloutRequest(prompt_token_ids=[5, 6, 7], sampling=SamplingConfig(max_tokens=8, ignore_eos=True))])
     assert len(r.samples[0].token_ids) == 8, "the replica serves on"
     ok = await run_python(client, "print(6*7)")
-    assert ok.output == "42\n", ok.output
+    assert json.loads(ok.output) == {"status": "ok", "stdout": "42\n"}, ok.output
 
 
 async def test_the_replica_reports_its_tools_isolation_in_metrics_and_status(handle_client, platform):
@@ -78,8 +86,9 @@ async def test_the_tool_workers_hold_no_secret_and_the_sandbox_gets_an_empty_env
         "import os,glob\nn=0\nfor p in glob.glob('/proc/*/environ')+glob.glob('/proc/*/cmdline'):\n try:d=open(p,'rb').read();n+=1;'ROLLOUT' in str(d) and print('FOUND',p)\n"
         " except OSError:pass\nprint(n,sorted(os.environ))",
     )
-    assert "FOUND" not in result.output and "ROLLOUT" not in result.output and "'PATH'" in result.output, result.output
-    assert int(result.output.split()[0]) >= 4, "the environments of the sandbox's own processes were read"
+    out = stdout(result)
+    assert "FOUND" not in out and "ROLLOUT" not in out and "'PATH'" in out, result.output
+    assert int(out.split()[0]) >= 1, "the environments of the sandbox's own processes were read"
     workers = tool_workers()
     assert workers, "the tool workers run on this host"
     for pid in workers:
@@ -101,7 +110,7 @@ async def test_no_connection_reaches_a_listener_on_loopback(handle_client, base_
         result = await run_python(handle_client, f"import socket\nfor p in {ports}:\n try:socket.create_connection(('127.0.0.1',p),timeout=1);print(p,'open')\n except OSError as e:print(p,e.errno)")
         # Every port refused (ECONNREFUSED, 111): a loopback of its own. Line by line: a port's
         # number may hold "111" itself (49111 did), so the output is not counted as text.
-        assert [line.split() for line in result.output.splitlines()] == [[str(p), "111"] for p in ports], result.output
+        assert [line.split() for line in stdout(result).splitlines()] == [[str(p), "111"] for p in ports], result.output
         with pytest.raises(BlockingIOError):
             listener.accept()
     finally:
@@ -116,7 +125,7 @@ async def test_native_code_runs_inside_and_leaves_no_process_behind(handle_clien
         f"C.system(b'id -u;hostname;touch {tmp_path}/x 2>&1')\n"
         f"if os.fork()==0:\n os.setsid()\n if os.fork()==0:os.execv('/bin/sleep',['{mark}','300'])\nprint('forked')",
     )
-    assert result.output.startswith("65534\nsandbox\n") and "forked" in result.output, result.output
+    assert stdout(result).startswith("65534\nsandbox\n") and "forked" in stdout(result), result.output
     assert not (tmp_path / "x").exists()
     await asyncio.sleep(0.5)
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if mark in " ".join(p.info["cmdline"] or [])]
@@ -133,7 +142,7 @@ async def test_writes_through_relative_forms_reach_nothing_outside(handle_client
             "lambda:os.mkfifo(T,dir_fd=d),lambda:os.link('/sandbox/main.py',T,dst_dir_fd=d),lambda:os.rename('/sandbox/main.py',T,dst_dir_fd=d)):\n"
             " try:f();print('did')\n except OSError as e:print(e.errno)",
         )
-        assert "did" not in result.output and result.output.count("30") >= 5, result.output  # EROFS
+        assert "did" not in stdout(result) and stdout(result).count("30") >= 5, result.output  # EROFS
         assert not os.path.lexists("/" + rel)
     finally:
         if os.path.lexists("/" + rel):
@@ -142,7 +151,7 @@ async def test_writes_through_relative_forms_reach_nothing_outside(handle_client
 
 async def test_the_output_is_never_read_back_from_files_the_code_controls(handle_client):
     result = await run_python(handle_client, "import os\nos.symlink('/proc/1/environ','.stdout')\nos.symlink('/proc/1/environ','.isolation')\nos.mkfifo('.stderr')\nprint('ok')")
-    assert result.output == "ok\n", result.output
+    assert stdout(result) == "ok\n", result.output
 
 
 async def test_harm_to_the_host_stays_inside(handle_client, platform):
@@ -153,9 +162,9 @@ async def test_harm_to_the_host_stays_inside(handle_client, platform):
         "for _ in range(1500):os.mkdir('d');os.chdir('d')\n"  # once crashed the cleanup and leaked the directory
         "for f in(lambda:os.memfd_create('m'),lambda:open('/etc/shadow')):\n try:f()\n except OSError as e:print(e.errno)",
     )
-    assert result.output == "1\n2\n", result.output  # EPERM (seccomp), ENOENT (not in its root)
+    assert stdout(result) == "1\n2\n", result.output  # EPERM (seccomp), ENOENT (not in its root)
     result = await run_python(handle_client, "i=0\ntry:\n while 1:open(f'f{i}','wb').write(b'x'*(1<<20));i+=1\nexcept OSError as e:print(i,e.errno)")
-    filled, errno = map(int, result.output.split())
+    filled, errno = map(int, stdout(result).split())
     assert errno == 28 and filled <= platform.tools.python.disk_mb, result.output  # ENOSPC at the tmpfs's size
     assert before <= set(tool_workers()), "a tool worker was killed"
     await assert_the_platform_serves_on(handle_client)
@@ -169,7 +178,26 @@ async def test_one_episode_cannot_change_another_episodes_tool_output(handle_cli
         " try:open(p,'w').write('forged');print('w',p)\n except OSError as e:print(p,e.errno)",
     )
     a, _ = await asyncio.gather(victim, attacker)
-    assert a.output == "A-ok\n", a.output
+    assert stdout(a) == "A-ok\n", a.output
+
+
+async def test_the_second_red_teams_classes_hold_through_the_episode_api(handle_client, platform):
+    """The classes of the second red team (tests/test_sandbox_attacks.py has each on its own,
+    in every worker mode) through vLLM's parser, the replica and a Ray tool worker: the host
+    kernel's knobs, host-kernel information, socket families outside the network namespace,
+    shared kernel pools, pdeathsig, and a forged status."""
+    knob = open("/proc/sys/kernel/pid_max").read()
+    result = await run_python(
+        handle_client,
+        "import ctypes as C,os,socket as S\nL=C.CDLL(None,use_errno=True);o=[]\n"
+        "for f in(lambda:open('/proc/sys/kernel/pid_max','w').write(open('/proc/sys/kernel/pid_max').read()),lambda:open('/proc/kcore','rb').read(1),"
+        "lambda:S.socket(40,1),lambda:S.socket(16,3),lambda:os.openpty()):\n try:f();o.append('did')\n except OSError as e:o.append(e.errno)\n"
+        "o+=[L.inotify_init1(0),L.msgget(0,0o1600),L.prctl(1,0,0,0,0),os.getuid()]\nprint(*o)\nprint('[exit code 0]')\nraise SystemExit(4)",
+    )
+    said = json.loads(result.output)
+    assert said["status"] == "exit code 4" and said["stdout"] == "30 13 97 97 2 -1 -1 -1 65534\n[exit code 0]\n", result.output
+    assert open("/proc/sys/kernel/pid_max").read() == knob
+    await assert_the_platform_serves_on(handle_client)
 
 
 async def test_tool_workers_in_a_namespace_without_user_namespaces_refuse_to_start_with_the_reason(ray_cluster, tmp_path):
@@ -180,6 +208,10 @@ async def test_tool_workers_in_a_namespace_without_user_namespaces_refuse_to_sta
     from rollout.tools.pool import ToolPool
     from rollout.tools.sandbox import SandboxUnavailable
 
+    tmp_path.chmod(0o755)  # a root worker runs bubblewrap as the call's unprivileged uid
+    for parent in tmp_path.parents:
+        if parent.stat().st_mode & 0o001 == 0 and str(parent).startswith(tempfile.gettempdir() + "/"):
+            parent.chmod(parent.stat().st_mode | 0o001)
     wrapper = tmp_path / "bwrap-without-userns"
     wrapper.write_text("#!/bin/sh\nexec unshare --user --map-root-user sh -c 'echo 0 > /proc/sys/user/max_user_namespaces && exec bwrap \"$@\"' sh \"$@\"\n")
     wrapper.chmod(0o755)

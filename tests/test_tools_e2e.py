@@ -54,7 +54,7 @@ async def test_a_five_turn_episode_with_tool_calls_is_token_exact(any_client, re
     assert (version.name, version.arguments, version.error) == ("python_version", "{}", None)
     assert version.output == stdlib_platform.python_version()  # (the tool workers run this Python)
     assert [(c.name, c.output, c.error) for c in turns[1].tool_calls] == [("calculator", "42", None)]
-    assert [(c.name, c.output, c.error) for c in turns[2].tool_calls] == [("python", "42\n", None)]
+    assert [(c.name, json.loads(c.output), c.error) for c in turns[2].tool_calls] == [("python", {"status": "ok", "stdout": "42\n"}, None)]
     assert turns[3].tool_calls == [] and turns[4].tool_calls == []
 
     # Each call's output opens the next turn, as tool-role tokens (the chat template's).

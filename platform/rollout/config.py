@@ -423,7 +423,7 @@ class EpisodesConfig(_Section):
 
 class PythonToolConfig(_Section):
     """The built-in `python` tool: each call runs under bubblewrap in namespaces of its own
-    (user, mount, PID, network, IPC, UTS), as an unprivileged user on a read-only root,
+    (user, mount, PID, network, IPC, UTS), as an unprivileged host user on a read-only root,
     with a seccomp filter, a size-capped private working directory and cgroup limits where
     the host offers them. A replica whose tool workers cannot build that sandbox refuses to
     start, saying what is missing; there is no weaker mode."""
@@ -439,8 +439,18 @@ class PythonToolConfig(_Section):
     cgroups: Literal["auto", "required", "off"] = Field(
         default="auto",
         description="cgroup limits on memory (tmpfs and memfd included), processes and CPU per call: `auto` uses cgroup v2 or v1 where the tool worker may "
-        "create groups and says which, `required` refuses to start without them, `off` relies on the rlimits alone.",
+        "create groups and says which (without them it warns: memory is then bounded per process, not per call), `required` refuses to start "
+        "without them, `off` relies on the rlimits alone. Processes end with the call in every mode.",
     )
+    uid_base: int = Field(
+        default=200_000,
+        ge=1000,
+        le=2**31 - 65536,
+        description="A tool worker running as root runs each call as a host uid of its own from uid_base .. uid_base+uid_count-1 (one per worker on the "
+        "node, leased while it lives), never as root. Nothing else on the node may use these uids; containers that share a node need disjoint ranges. "
+        "A worker that is not root runs calls as its own uid.",
+    )
+    uid_count: int = Field(default=256, ge=1, le=65536, description="How many uids from uid_base root tool workers on one node may lease, 1..65536: at least the tool workers a node runs.")
 
 
 class ToolsConfig(_Section):

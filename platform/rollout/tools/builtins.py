@@ -16,11 +16,11 @@ _sandbox: Optional[Sandbox] = None
 _unavailable: Optional[str] = "the python tool's sandbox was not configured in this process"
 
 
-def configure(limits: SandboxLimits, bwrap: str = "bwrap", cgroup_mode: str = "auto") -> None:
+def configure(limits: SandboxLimits, bwrap: str = "bwrap", cgroup_mode: str = "auto", uid_base: int = 200_000, uid_count: int = 256) -> None:
     """Build this process's sandbox (a worker does, once); a failure is kept, not raised."""
     global _sandbox, _unavailable
     try:
-        _sandbox, _unavailable = Sandbox(limits, bwrap, cgroup_mode), None
+        _sandbox, _unavailable = Sandbox(limits, bwrap, cgroup_mode, uid_base, uid_count), None
     except SandboxUnavailable as e:
         _sandbox, _unavailable = None, str(e)
 
@@ -34,7 +34,8 @@ def isolation() -> Isolation:
 
 def python(code: str) -> str:
     """Run Python code in a sandbox (no network, no new privileges, a private temporary
-    working directory, limited time and memory) and return what it printed."""
+    working directory, limited time and memory). Returns JSON: "status" ("ok", "exit code N"
+    or "stopped: ... limit"), "stdout", and "stderr" and "truncated" when there are any."""
     if _sandbox is None:
         raise SandboxUnavailable(_unavailable)
-    return _sandbox.run(code).text()
+    return _sandbox.run(code).text(_sandbox.limits.output_chars)

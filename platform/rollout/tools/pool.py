@@ -53,6 +53,8 @@ class PythonSandboxSpec:
     limits: SandboxLimits
     bwrap: str = "bwrap"
     cgroups: str = "auto"
+    uid_base: int = 200_000
+    uid_count: int = 256
 
 
 class ToolWorker:
@@ -66,7 +68,7 @@ class ToolWorker:
         for name in secret_env:  # blanked by the runtime environment; gone from os.environ too
             os.environ.pop(name, None)
         if python is not None:
-            builtins.configure(python.limits, python.bwrap, python.cgroups)
+            builtins.configure(python.limits, python.bwrap, python.cgroups, python.uid_base, python.uid_count)
         self.output_chars = output_chars
         self._functions: dict[str, Any] = {}
 
@@ -145,7 +147,7 @@ class ToolPool:
                 max_processes=p.max_processes,
                 output_chars=cfg.output_chars,
             )
-            python = PythonSandboxSpec(limits, p.bwrap, p.cgroups)
+            python = PythonSandboxSpec(limits, p.bwrap, p.cgroups, p.uid_base, p.uid_count)
         return cls(cfg.workers, cfg.timeout_s, python, cfg.output_chars, secret_env, cfg.worker_resource)
 
     def _start(self) -> asyncio.Queue:

@@ -4,9 +4,20 @@ A deny list on top of the namespaces bubblewrap builds: the calls below either r
 kernel code that untrusted code has no use for and that has a history of privilege
 escalations (BPF, keyrings, perf, io_uring, user namespaces), or they act on other
 processes (ptrace, ``process_vm_*``, pidfds), or they hold memory outside the limits
-(``memfd_create``, System V shared memory). Each is answered with ``EPERM`` so Python
-raises a readable ``PermissionError`` instead of the process dying; ``clone3`` answers
-``ENOSYS`` so the C library falls back to ``clone``, whose flags the filter can read.
+(``memfd_create``, System V shared memory), or they draw on kernel pools counted per host
+user or shared by the whole node (inotify instances, System V and POSIX message queues and
+semaphores). Each is answered with ``EPERM`` so Python raises a readable
+``PermissionError`` instead of the process dying; ``clone3`` answers ``ENOSYS`` so the C
+library falls back to ``clone``, whose flags the filter can read.
+
+Sockets: only the families a python tool needs, Unix and IP (in the call's own network
+namespace); every other family is refused with ``EAFNOSUPPORT``, as a kernel without it
+would. ``AF_VSOCK`` matters most: the network namespace does not cover it, and it reaches
+the hypervisor (Kata's agent listens there). Netlink, ``AF_ALG`` and packet sockets are
+kernel attack surface a tool has no use for.
+
+``prctl(PR_SET_PDEATHSIG)`` is refused: bubblewrap sets it so the call dies with its
+supervisor, and the code must not take it back.
 
 System calls of other ABIs (32-bit ``int 0x80`` on x86-64) are not in the filter's
 architecture list: libseccomp kills a thread that makes one.
@@ -36,7 +47,15 @@ DENIED = (
     "clock_settime", "clock_adjtime", "adjtimex", "move_pages", "migrate_pages", "uselib", "ustat", "sysfs",
     # memory outside the address-space and tmpfs limits
     "memfd_create", "memfd_secret", "shmget", "shmat",
+    # kernel pools charged to a host user or shared by the node: inotify instances and
+    # watches, System V message queues and semaphores, POSIX message queues
+    "inotify_init", "inotify_init1", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop", "semctl",
+    "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
 )
+
+# Socket families a python tool may open: Unix and IP (within its own network namespace).
+ALLOWED_SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
+PR_SET_PDEATHSIG = 1
 
 # clone(2) flags that would make namespaces of the sandbox's own.
 CLONE_NAMESPACE_FLAGS = {
@@ -69,6 +88,15 @@ def compile_filter() -> bytes:
             skipped.append(name)
     for flag in CLONE_NAMESPACE_FLAGS.values():
         f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    # An allow list as deny rules on the first argument: every value but the allowed ones
+    # (the comparison is on all 64 bits, so no high bits can smuggle a family past it).
+    top = max(ALLOWED_SOCKET_FAMILIES.values())
+    for call in ("socket", "socketpair"):
+        f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.GT, top))
+        for family in range(top):
+            if family not in ALLOWED_SOCKET_FAMILIES.values():
+                f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.EQ, family))
+    f.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.EQ, PR_SET_PDEATHSIG))
     try:
         f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     except (ValueError, RuntimeError, OSError):
