@@ -18,7 +18,10 @@ import traceback
 def main() -> None:
     limits = json.loads(sys.argv[1])
     cpu = int(limits["cpu_time_s"])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    # Soft = hard: the kernel's SIGKILL at the limit. This process is its PID namespace's
+    # init, and an init ignores a SIGXCPU it has no handler for (the supervisor judges a CPU
+    # stop by the time the kernel counted, not by the signal).
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"], limits["memory_bytes"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"], limits["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
