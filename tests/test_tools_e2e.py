@@ -84,7 +84,7 @@ def tokenizer_of(platform):
 
 
 HAZARDS = [
-    ("while True:\n    pass", "[stopped: CPU time limit]"),
+    ("while True:\n    pass", '"status": "stopped: CPU time limit"'),
     ("x = bytearray(1 << 31)", "MemoryError"),
     ("import os\nwhile True:\n    os.fork()", "Resource temporarily unavailable"),
     ("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=2)", "Temporary failure in name resolution"),
