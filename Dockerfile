@@ -34,9 +34,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 # Interpreter only: no compilers or -dev headers in the final image. Ubuntu 24.04's python3 is
 # 3.12, the Python of the GPU check (vLLM 0.32 needs >= 3.11); the venv keeps pip off the
-# system interpreter (PEP 668).
+# system interpreter (PEP 668). The python tool's sandbox: bubblewrap (noble's is 0.9), libseccomp,
+# and util-linux's setpriv, with which a tool worker run as root (not the chart's) runs each call
+# as an unprivileged uid (Essential, so already there: named to say it is needed). The interpreter
+# (/usr) and the venv (/opt/venv, root's, umask 022) are readable by every uid, as calls need.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates bubblewrap libseccomp2 \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates bubblewrap libseccomp2 util-linux \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 

@@ -50,11 +50,37 @@ endif
 
 # bubblewrap: the python tool's sandbox (a replica refuses to start without it); libseccomp
 # compiles its filter. Debian's packages, when missing.
+# A root tool worker runs each call as an unprivileged host uid (tools.python.uid_base,
+# SANDBOX_UID here) through util-linux's setpriv (Essential in Debian: checked, not
+# installed), and bubblewrap opens the interpreter's directories as that uid: every
+# directory above the interpreter's prefix and the virtualenv must let others through. A
+# Python under root's home (pyenv; /root is 0700 on Debian) does not: the recipe adds o+x
+# where it is missing, a line for each, and fails when the uid still cannot run the
+# interpreter or read its standard library. A worker that is not root runs calls as itself.
+# After the virtualenv: it checks the interpreter the project runs.
 BWRAP := $(shell command -v bwrap 2>/dev/null)
-sandbox:
+SANDBOX_UID ?= 200000
+sandbox: $(STAMP)
 ifeq ($(BWRAP),)
 	$(call apt_install,bubblewrap libseccomp2)
 endif
+	@command -v setpriv >/dev/null || { echo "make sandbox: util-linux's setpriv is missing: install util-linux (apt-get install util-linux); a root tool worker runs each python call through it" >&2; exit 1; }
+	@[ "$$(id -u)" != 0 ] || { \
+	  set -- $$($(BIN)/python -I -c 'import os, sys, sysconfig; print(os.path.realpath(sys.executable), sysconfig.get_path("stdlib"), os.path.realpath(sys.base_prefix), os.path.abspath(sys.prefix), os.path.realpath(sys.prefix))') || exit 1; \
+	  exe=$$1 stdlib=$$2; shift 2; \
+	  as_call() { setpriv --reuid=$(SANDBOX_UID) --regid=$(SANDBOX_UID) --clear-groups "$$@"; }; \
+	  reachable() { as_call test -x "$$exe" && as_call test -x "$$stdlib" && as_call test -r "$$stdlib/os.py"; }; \
+	  reachable || for prefix in "$$@"; do \
+	    d=$$(dirname "$$prefix"); \
+	    while :; do \
+	      if [ -z "$$(find "$$d" -maxdepth 0 -perm -o=x)" ]; then \
+	        chmod o+x "$$d" && echo "make sandbox: chmod o+x $$d: python tool calls run as uid $(SANDBOX_UID) (tools.python.uid_base) under a root worker and must pass through it to $$prefix"; \
+	      fi; \
+	      [ "$$d" = / ] && break; d=$$(dirname "$$d"); \
+	    done; \
+	  done; \
+	  reachable || { echo "make sandbox: uid $(SANDBOX_UID) still cannot run $$exe or read $$stdlib/os.py: let others read the interpreter's prefix (chmod -R o+rX), or use a Python installed where any user can read it" >&2; exit 1; }; \
+	}
 
 # nftables: the firewalls inside the test hosts' network namespaces (tests/hosts_firewall.py,
 # tests/test_hosts_ports_e2e.py). Debian's package, when missing.

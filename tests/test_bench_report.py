@@ -105,6 +105,39 @@ def test_the_python_tool_section_shows_both_sandboxes_and_the_paired_overhead(tm
     assert "| `print(6*7)` | 17.6 (17.1-17.8) | 33.1 (27.5-34.5) | **15.6 (10.5-17.7)** | 1.89x (1.56-1.95) |" in text
 
 
+def test_the_python_tool_section_shows_the_previous_pass_and_its_goal(tmp_path):
+    def m(median, low, high):
+        return {"median": median, "interval_90": [low, high]}
+
+    result = {
+        "rounds": 30,
+        "order": "interleaved",
+        "bubblewrap": "bubblewrap 0.8.0",
+        "isolation": "bubblewrap+seccomp+cgroup-v1",
+        "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11.7", "kernel": "6.1.0"},
+        "goal": "today's sandbox at most +5 ms over the previous pass on print(6*7)",
+        "goal_met": None,
+        "points": [
+            {
+                "program": "print(6*7)",
+                "wall_ms": {"bare": m(19.85, 19.63, 20.13), "bubblewrap-before": m(26.19, 25.59, 29.84), "bubblewrap": m(30.0, 29.0, 32.0)},
+                "overhead_ms": m(10.1, 9.5, 11.0),
+                "bubblewrap_vs_bare": m(1.5, 1.45, 1.55),
+                "before_overhead_ms": m(6.3, 5.8, 9.0),
+                "vs_before_ms": m(3.8, -0.4, 5.2),
+            }
+        ],
+    }
+    (tmp_path / "python_tool.json").write_text(json.dumps(result))
+    text = report.render(tmp_path)
+    assert "`before` is the bubblewrap sandbox as its previous pass left it (git bd40811)" in text
+    assert "Goal: today's sandbox at most +5 ms over the previous pass on print(6*7): **not resolved by this run (the interval spans it)**." in text
+    assert "| `print(6*7)` | 19.9 (19.6-20.1) | 26.2 (25.6-29.8) | 30.0 (29.0-32.0) | **10.1 (9.5-11.0)** | 1.50x (1.45-1.55) | **+3.8 (-0.4 to +5.2)** |" in text
+    result["goal_met"] = True
+    (tmp_path / "python_tool.json").write_text(json.dumps(result))
+    assert "print(6*7): **met**." in report.render(tmp_path)
+
+
 def test_the_hosts_publish_table_comes_from_the_json_and_a_bench_that_could_not_run_says_why(tmp_path):
     def summary(median):
         return {"median_s": median, "interval_90_s": [median - 0.01, median + 0.02], "rounds_s": [median] * 3}

@@ -298,20 +298,35 @@ def _load(r: dict[str, Any]) -> str:
 
 
 def python_tool(r: dict[str, Any]) -> list[str]:
+    before = all("vs_before_ms" in p for p in r["points"])  # (runs before the second pass had no such path)
     lines = [
         f"**python_tool** (one `python` tool call, from the call to its result; {r['rounds']} rounds a path, {r['order']}; "
         f"{r['bubblewrap']}, isolation `{r['isolation']}`; {_machine(r)}, kernel {r['machine'].get('kernel', '?')}{_load(r)}). "
-        "`bare` is the sandbox before bubblewrap (a child `python -I` with the same rlimits); `bubblewrap` is `Sandbox.run` today. "
-        "Milliseconds, medians (90% interval); the overhead is paired round by round.",
-        *_table_head("program", "bare ms", "bubblewrap ms", "overhead ms", "bubblewrap / bare"),
+        "`bare` is the sandbox before bubblewrap (a child `python -I` with the same rlimits); "
+        + ("`before` is the bubblewrap sandbox as its previous pass left it (git bd40811); " if before else "")
+        + "`bubblewrap` is `Sandbox.run` today. Milliseconds, medians (90% interval); the overheads are paired round by round.",
     ]
+    if before:
+        verdict = {True: "met", False: "not met", None: "not resolved by this run (the interval spans it)"}[r["goal_met"]]
+        lines[0] += f" Goal: {r['goal']}: **{verdict}**."
+        lines += _table_head("program", "bare ms", "before ms", "bubblewrap ms", "overhead ms", "bubblewrap / bare", "bubblewrap - before ms")
+    else:
+        lines += _table_head("program", "bare ms", "bubblewrap ms", "overhead ms", "bubblewrap / bare")
     for p in r["points"]:
         w, ratio = p["wall_ms"], p["bubblewrap_vs_bare"]
-        lines.append(
-            f"| `{p['program']}` | {_ms(w['bare'])} | {_ms(w['bubblewrap'])} | **{_ms(p['overhead_ms'])}** | "
-            f"{_x(ratio['median'])} ({ratio['interval_90'][0]:.2f}-{ratio['interval_90'][1]:.2f}) |"
-        )
+        cells = [f"`{p['program']}`", _ms(w["bare"])]
+        if before:
+            cells.append(_ms(w["bubblewrap-before"]))
+        cells += [_ms(w["bubblewrap"]), f"**{_ms(p['overhead_ms'])}**", f"{_x(ratio['median'])} ({ratio['interval_90'][0]:.2f}-{ratio['interval_90'][1]:.2f})"]
+        if before:
+            cells.append(f"**{_signed_ms(p['vs_before_ms'])}**")
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _signed_ms(m: dict[str, Any]) -> str:
+    """A paired difference with its 90% interval, milliseconds, signed."""
+    return f"{m['median']:+.1f} ({m['interval_90'][0]:+.1f} to {m['interval_90'][1]:+.1f})"
 
 
 def _s(m: dict[str, Any]) -> str:
