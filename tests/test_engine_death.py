@@ -235,3 +235,46 @@ async def test_the_health_check_reports_engine_deaths_and_a_crash_loop_and_rollo
     assert "engine deaths             3; last: the engine of replica c" in shown and "CRASH LOOP" in shown
     monkeypatch.setattr(status.httpx, "get", lambda url, timeout: httpx.Response(200, json={"status": "ok"}))
     assert status.engine_health("http://platform:8000") == ""
+
+
+# A real engine (tests/engines.py's settings, the executor tests/conftest.py picks) whose
+# engine core is killed by SIGILL under a request, as vLLM's CPU worker was.
+REAL_DEATH = """
+import asyncio, os, signal, sys
+import psutil
+from rollout.api import RolloutRequest
+from rollout.engine.adapter import EngineAdapter
+from rollout.engine.stats import SchedulerSnapshot
+from rollout.errors import EngineUnavailableError
+from rollout.local import cpu_config
+from tests.engines import TEST_MODEL
+
+async def main():
+    adapter = EngineAdapter.start(cpu_config(sys.argv[1], model=TEST_MODEL), "cpu", None, SchedulerSnapshot(), [])
+    req = RolloutRequest(prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 500, "ignore_eos": True}).with_id()
+    task = asyncio.create_task(adapter.generate(req, [5, 6, 7]))
+    await asyncio.sleep(0.5)
+    (core,) = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::EngineCore")]
+    os.kill(core.pid, signal.SIGILL)
+    try:
+        await task
+        print("RESULT not raised", flush=True)
+    except EngineUnavailableError as e:
+        print("RESULT typed", adapter.dead(), e, flush=True)
+    except BaseException as e:
+        print("RESULT raw", type(e).__name__, e, flush=True)
+    os._exit(0)
+
+asyncio.run(main())
+"""
+
+
+def test_a_real_engine_killed_by_sigill_under_a_request_is_the_typed_error_naming_the_signal(model_dir):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "platform"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("ROLLOUT_ENGINE_FAULT_DIR", None)  # the engine's own, as a replica makes it
+    proc = subprocess.run([sys.executable, "-c", REAL_DEATH, str(model_dir)], capture_output=True, text=True, timeout=300, env=env, start_new_session=True)
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result, f"no result (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert result[0].startswith("RESULT typed True engine is dead"), result[0]
+    assert "killed by SIGILL" in result[0] and "Fatal Python error: Illegal instruction" in result[0], result[0]

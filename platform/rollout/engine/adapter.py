@@ -157,11 +157,15 @@ class EngineAdapter:
         return self._typed_stream(self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req), **_lora_kwargs(lora)))
 
     async def _typed_stream(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        from vllm.exceptions import VLLMClientError
+
         # Closing this closes vLLM's generator, which aborts the request in the engine.
         async with contextlib.aclosing(outputs) as outs:
             try:
                 async for out in outs:
                     yield out
+            except (ValueError, VLLMClientError) as e:
+                raise await self.typed(e, grace_s=0) from e  # the request's fault while the engine lives
             except Exception as e:
                 raise await self.typed(e) from e
         self.served += 1

@@ -130,10 +130,13 @@ class RolloutEngine:
             return f"local-{os.getpid()}"
 
     def _raise_if_dead(self) -> None:
+        self._raise_if_engine_dead()
+        self.gate.raise_if_broken()
+
+    def _raise_if_engine_dead(self) -> None:
         if self.adapter.dead():
             self._report_death()
         self.adapter.raise_if_dead(self.replica_id)
-        self.gate.raise_if_broken()
 
     def _report_death(self) -> None:
         """Once: say why the engine died, in this replica's log and in the cluster's record
@@ -378,11 +381,11 @@ class RolloutEngine:
 
     async def stats(self) -> ReplicaLoad:
         # Asked rarely, so it can wait for the version as the engine core itself reports it.
-        self._raise_if_dead()
+        self._raise_if_engine_dead()
         try:
             version = await self.adapter.reported_version()
         except EngineUnavailableError:
-            self._raise_if_dead()
+            self._raise_if_engine_dead()  # with the death reported
             raise
         return self._load().model_copy(update={"weight_version": version})
 
@@ -414,7 +417,7 @@ class RolloutEngine:
         try:
             await self.adapter.check_health(self.config.deployment.health_check_timeout_s)
         except EngineUnavailableError:
-            self._raise_if_dead()  # with the death reported, when it is one
+            self._raise_if_engine_dead()  # with the death reported, when it is one
             raise
         inflight = self.admission.inflight
         if self.gate.held:
