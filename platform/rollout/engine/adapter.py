@@ -35,10 +35,12 @@ class EpisodeTurnSampling:
     plan: Optional[TurnPlan]
 
 
-# How long an error from the engine may come before the engine reads as dead. vLLM hands a
-# dying engine's last error to every request (its output handler's, or a socket's the
-# shutdown closed: an AttributeError reached a caller as a 500) from tasks and a monitor
-# thread that mark it dead in their own time; an error within this of its death is its death.
+# How long an error from the engine may come before the engine reads as dead. A dying
+# engine's requests get whatever error ended vLLM's output handler (it hands it to every
+# request), while vLLM's monitor thread and that handler mark the engine dead in their own
+# time (the monitor also closes the client's sockets): issue 40's first caller got a raw
+# AttributeError, a 500, later callers the typed 503. An error followed within this by the
+# engine's death is that death.
 DEATH_GRACE_S = 2.0
 
 
