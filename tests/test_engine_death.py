@@ -186,9 +186,14 @@ def test_a_fatal_signal_of_an_engine_process_is_in_the_replicas_death_reason(tmp
     assert "Illegal instruction" in adapter.death_reason() and "See stack trace" in adapter.death_reason()
 
 
-def test_eager_on_cpu_runs_unbound_and_a_binding_that_killed_it_is_refused_naming_the_field(monkeypatch):
+def test_eager_on_cpu_runs_unbound_and_a_binding_that_killed_it_is_refused_naming_the_field(monkeypatch, tmp_path):
     from rollout.engine.args import prepare_engine_environment
+    from rollout.engine.lifetime import FAULT_DIR_ENV
     from rollout.engine.memory import EngineStartError
+
+    # What it sets in this process's environment is undone after (clusters started later inherit it).
+    monkeypatch.setenv(FAULT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
 
     eager = load_config({"model": {"path": "/models/x", "enforce_eager": True}}, environ={}).model
     compiled = load_config({"model": {"path": "/models/x"}}, environ={}).model
