@@ -79,9 +79,32 @@ def test_rollout_serve_with_only_the_model_path_starts_and_serves(model_dir, tmp
         finally:
             client.close()
         assert len(result.samples[0].token_ids) == 4
+        engine_death_is_typed_and_reported(serve, port)
     finally:
         rc = serve.stop()
     assert rc == 0, serve.tail()
+
+
+def engine_death_is_typed_and_reported(serve: Serve, port: int) -> None:
+    """Issue 40, on the platform `rollout serve` started: its engine core killed by SIGILL
+    (as vLLM's CPU worker died), the next request is the typed retryable 503, and `rollout
+    serve` says which replica's engine died and of what; `/healthz` reports it."""
+    import signal
+
+    import httpx
+    import psutil
+
+    cores = [p for p in psutil.Process(serve.proc.pid).children(recursive=True) if p.name().startswith("VLLM::EngineCore")]
+    assert len(cores) == 1, [(p.pid, p.name()) for p in cores]
+    cores[0].send_signal(signal.SIGILL)
+    cores[0].wait(30)
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/rollouts", json={"requests": [{"prompt_token_ids": [5, 6, 7], "sampling": {"max_tokens": 3}}]}, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable", r.text
+    assert serve.wait_for("rollout serve: the engine of replica", 30), serve.tail()
+    (said,) = [line for line in serve.lines if line.startswith("rollout serve: the engine of replica")]
+    assert "killed by SIGILL" in said and "Fatal Python error: Illegal instruction" in said and "1 engine deaths since start" in said, said
+    health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30)
+    assert health.json().get("engine_deaths", {}).get("count") == 1 or health.status_code == 503, health.text
 
 
 def test_rollout_serve_that_cannot_fit_exits_with_one_line_naming_the_field(model_dir, tmp_path):

@@ -34,6 +34,18 @@ Int = Annotated[int, BeforeValidator(_integral)]
 # The bound goes before the validator: after one, pydantic publishes it as "ge", which
 # JSON Schema does not know (so the schema would call -1 valid).
 NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+# The largest count or id a request hands vLLM's engine. Its requests cross to the engine
+# core as msgpack, which has no integer above 2**64 - 1: a larger one (a top_k of
+# 133751737642897915904) failed there as vLLM's EngineGenerateError, a 500, after every
+# check of ours had passed. Its worker holds token ids, top_k and lengths in int32 tensors,
+# so the bound is int32's: every integer field that reaches the engine has it (or a
+# tighter one), in the schema and in validation, and anything above is a 400 naming it.
+ENGINE_INT_MAX = 2**31 - 1
+# A policy version as requests name it: not the engine's, and exact as a JSON number (the
+# bound of the sync routes' versions, rollout.sync.remote.MAX_COUNT).
+MAX_VERSION = 2**53
+# A token id as the engine takes it (the served vocabulary, smaller, is checked in the replica).
+TokenId = Annotated[int, Field(ge=0, le=ENGINE_INT_MAX), BeforeValidator(_integral)]
 
 
 class _Model(BaseModel):
@@ -65,19 +77,21 @@ class StructuredOutputs(_Input):
 class SamplingConfig(_Input):
     """How to sample. Defaults suit RL rollouts (temperature 1, logprobs on)."""
 
-    max_tokens: Int = Field(default=128, ge=1, description="Tokens to generate at most (>= 1; prompt + max_tokens must fit the context).")
+    max_tokens: Int = Field(default=128, ge=1, le=ENGINE_INT_MAX, description="Tokens to generate at most (>= 1; prompt + max_tokens must fit the context).")
     # vLLM refuses temperatures above 2 (SamplingParams); a wider range here would publish
     # values every engine answers with an error.
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description=f"0..2; below {GREEDY_BELOW:g} is greedy (then `n` must be 1).")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, (0, 1].")
-    top_k: Int = Field(default=0, ge=0, description="Sample from the k most likely tokens; 0 disables.")
+    top_k: Int = Field(
+        default=0, ge=0, le=ENGINE_INT_MAX, description="Sample from the k most likely tokens; 0 disables (so does a k at least the vocabulary's size)."
+    )
     seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)]] = Field(
         default=None, description="Per-request seed for reproducible sampling."
     )
     stop: List[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS, description="Strings that end a sample (not included in the output)."
     )
-    stop_token_ids: List[NonNegativeInt] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description="Token ids that end a sample.")
+    stop_token_ids: List[TokenId] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description="Token ids that end a sample.")
     logprobs: bool = Field(default=True, description="Return the logprob of every sampled token.")
     ignore_eos: bool = Field(default=False, description="Keep generating past the end-of-sequence token.")
     structured_outputs: Optional[StructuredOutputs] = Field(
@@ -125,11 +139,11 @@ class RolloutRequest(_Input):
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_one_prompt_form)
 
-    prompt_token_ids: Optional[List[NonNegativeInt]] = Field(default=None, min_length=1, description="Prompt as token ids (token-in/token-out).")
+    prompt_token_ids: Optional[List[TokenId]] = Field(default=None, min_length=1, description="Prompt as token ids (token-in/token-out).")
     prompt: Optional[str] = Field(default=None, min_length=1, description="Prompt as text, tokenized by the served tokenizer.")
     messages: Optional[List[ChatMessage]] = Field(default=None, min_length=1, description="Chat messages, rendered with the model's chat template.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    n: Int = Field(default=1, ge=1, description="Samples of this prompt; they share one prefill. Capped by `limits.max_n`; 1 with greedy sampling (temperature 0).")
+    n: Int = Field(default=1, ge=1, le=ENGINE_INT_MAX, description="Samples of this prompt; they share one prefill. Capped by `limits.max_n`; 1 with greedy sampling (temperature 0).")
     request_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Caller's id, echoed in the result; generated when absent.")
     session_id: Optional[str] = Field(default=None, min_length=1, max_length=MAX_ID_LENGTH, description="Groups requests of one episode (routing affinity).")
     reward: Optional[RewardSpec] = Field(
@@ -140,7 +154,7 @@ class RolloutRequest(_Input):
         description="A published LoRA adapter (`WeightPublisher.publish_adapter`) to generate with, by name: its newest committed version when the request starts, "
         "to the request's end (each `weight_versions` span names it). None: the base model. An adapter not published is refused (400 naming `adapter`).",
     )
-    min_weight_version: Optional[NonNegativeInt] = Field(
+    min_weight_version: Optional[Annotated[int, Field(ge=0, le=MAX_VERSION), BeforeValidator(_integral)]] = Field(
         default=None,
         description="Generate only with policy version >= this; a replica still behind holds the request until it serves it (up to `sync.timeout_s`), then fails it as retryable. "
         "A version that no publish can bring without a new one beginning (above the committed version + 1 and the version of the round in progress) is refused at once (400).",
@@ -234,12 +248,12 @@ class EpisodeStart(_Input):
     """Begin a token-exact episode: its first messages, rendered once with the chat template."""
 
     messages: List[ChatMessage] = Field(min_length=1, description="The episode's opening messages (system, user).")
-    max_turns: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(default=None, description="Model turns at most; capped by `episodes.max_turns`.")
-    max_tokens: Optional[Annotated[int, Field(ge=1), BeforeValidator(_integral)]] = Field(default=None, description="Tokens in the whole episode at most; capped by the context length.")
+    max_turns: Optional[Annotated[int, Field(ge=1, le=ENGINE_INT_MAX), BeforeValidator(_integral)]] = Field(default=None, description="Model turns at most; capped by `episodes.max_turns`.")
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=ENGINE_INT_MAX), BeforeValidator(_integral)]] = Field(default=None, description="Tokens in the whole episode at most; capped by the context length.")
     tools: List[Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]] = Field(
         default_factory=list, max_length=64, description="The tools the model may call: `python`, `calculator`, or ones the platform registered under `tools.functions`."
     )
-    max_tool_calls: Optional[Annotated[int, Field(ge=0), BeforeValidator(_integral)]] = Field(
+    max_tool_calls: Optional[Annotated[int, Field(ge=0, le=ENGINE_INT_MAX), BeforeValidator(_integral)]] = Field(
         default=None, description="Tool calls the episode may run at most; capped by `tools.max_calls_per_episode`."
     )
     reward: Optional[RewardSpec] = Field(

@@ -23,6 +23,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout serve: {cfg.app_name!r} cannot start: {refused}", file=sys.stderr, flush=True)
         return 1
     ray.init(address=args.address, namespace="rollout", ignore_reinit_error=True)
+    from rollout.engine import deaths
+
+    deaths.forget(cfg.app_name)  # this deployment's deaths only
     try:
         deploy(cfg)
     except RuntimeError as e:  # Serve gave up on the app (its replicas failed to start)
@@ -42,15 +45,52 @@ def _serve(args: argparse.Namespace) -> int:
         stop = True
 
     signal.signal(signal.SIGTERM, _stop)
+    watch = DeathWatch(cfg.app_name)
     try:
         while not stop:
             time.sleep(1)
+            watch.poll()
     except KeyboardInterrupt:
         pass
     from ray import serve
 
     serve.delete(cfg.app_name)
     return 0
+
+
+class DeathWatch:
+    """What ``rollout serve`` says of engine deaths while it serves: a line for each (the
+    replica, when, the engine's last error), read from the cluster's record of them
+    (rollout.engine.deaths) every few seconds, and a line when they are a crash loop."""
+
+    def __init__(self, app: str, period_s: float = 5.0, out=None):
+        self.app = app
+        self.period_s = period_s
+        self.out = out or sys.stderr
+        self._seen: set[str] = set()
+        self._looping = False
+        self._next = 0.0
+
+    def poll(self, now: Optional[float] = None) -> None:
+        from rollout.engine import deaths
+
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return
+        self._next = now + self.period_s
+        try:
+            died = deaths.read(self.app)
+        except Exception as e:  # a report: serving goes on without it
+            print(f"rollout serve: cannot read the engines' deaths: {e}", file=self.out, flush=True)
+            return
+        for death in died:
+            if death.replica_id not in self._seen:
+                self._seen.add(death.replica_id)
+                print(f"rollout serve: {death.line()} ({len(self._seen)} engine deaths since start; Serve restarts the replica)", file=self.out, flush=True)
+        loop = deaths.crash_loop(died)
+        if loop and not self._looping:
+            print(f"rollout serve: {loop}", file=self.out, flush=True)
+        self._looping = loop is not None
 
 
 def local_fit_error(cfg, address: Optional[str]) -> Optional[str]:
@@ -144,7 +184,7 @@ def _helm_schema(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from rollout.status import summarize
+    from rollout.status import engine_health, summarize
 
     if args.kube:
         from rollout.kube import rayservice_status, render_rayservice_status
@@ -152,6 +192,10 @@ def _status(args: argparse.Namespace) -> int:
         print(render_rayservice_status(rayservice_status(args.namespace, args.name)))
         print()
     print(summarize(args.metrics_url, args.interval).render())
+    health = engine_health(args.url)
+    if health:
+        print()
+        print(health)
     return 0
 
 
@@ -237,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="one-screen summary from the metrics endpoint (replicas, versions, tokens/s, KV usage, lag)")
     st.add_argument("--metrics-url", default="http://127.0.0.1:8080/metrics", help="Ray's metrics export endpoint")
     st.add_argument("--interval", type=float, default=2.0, help="seconds between the two scrapes that turn counters into rates")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="the platform's HTTP address, whose /healthz reports engine deaths and crash loops")
     st.add_argument("--kube", action="store_true", help="also print the RayService's status and conditions from the cluster")
     st.add_argument("--namespace", default="default", help="namespace of the RayService (with --kube)")
     st.add_argument("--name", default="rollout", help="name of the RayService (with --kube)")

@@ -132,3 +132,25 @@ def summarize(url: str, interval_s: float = 2.0) -> Summary:
         s.replicas[rid] = ReplicaRow(load=load, lag=None if lag is None else int(lag), tokens_per_s=tokens / interval_s, sandbox=isolation.get(rid))
     s.tokens_per_s = sum(r.tokens_per_s for r in s.replicas.values())
     return s
+
+
+def engine_health(url: str) -> str:
+    """What the platform's ``/healthz`` says of its engines: that none answers, the engine
+    deaths since it was deployed (the last one's error) and a crash loop; empty when all is well."""
+    try:
+        resp = httpx.get(f"{url.rstrip('/')}/healthz", timeout=10)
+    except httpx.HTTPError as e:
+        return f"health                    {url}/healthz did not answer: {e}"
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {}
+    lines = []
+    if resp.status_code != 200:
+        lines.append(f"health                    {resp.status_code}: {body.get('error', {}).get('message', resp.text)}")
+    deaths = body.get("engine_deaths")
+    if deaths:
+        lines.append(f"engine deaths             {deaths['count']}; last: {deaths['last']}")
+    if body.get("crash_loop"):
+        lines.append(f"CRASH LOOP                {body['crash_loop']}")
+    return "\n".join(lines)

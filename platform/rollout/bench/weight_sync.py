@@ -81,8 +81,9 @@ class DirectEngine:
         from rollout.sync.vllm_plugin import register
 
         register()
-        kwargs = engine_kwargs(ModelConfig.model_validate(model), "cpu")
-        prepare_engine_environment("cpu")  # as a replica's engine starts
+        model_config = ModelConfig.model_validate(model)
+        kwargs = engine_kwargs(model_config, "cpu")
+        prepare_engine_environment("cpu", model_config)  # as a replica's engine starts
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, weight_transfer_config=WeightTransferConfig(backend="gloo")))
 
     async def begin(self, address: str, port: int, rank: int, world: int, bucket_bytes: int) -> None:

@@ -9,6 +9,7 @@ the ``AsyncLLM``: the replica composes it with admission, the sync gate and epis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,6 +35,15 @@ class EpisodeTurnSampling:
     plan: Optional[TurnPlan]
 
 
+# How long an error from the engine may come before the engine reads as dead. A dying
+# engine's requests get whatever error ended vLLM's output handler (it hands it to every
+# request), while vLLM's monitor thread and that handler mark the engine dead in their own
+# time (the monitor also closes the client's sockets): issue 40's first caller got a raw
+# AttributeError, a 500, later callers the typed 503. An error followed within this by the
+# engine's death is that death.
+DEATH_GRACE_S = 2.0
+
+
 @dataclass(frozen=True)
 class Generated:
     """One request's samples as the engine returned them (in sample order, not scored),
@@ -54,6 +64,9 @@ class EngineAdapter:
         self.limits = limits
         self.snapshot = snapshot  # fed by the engine's stat logger (rollout.engine.stats)
         self.serve_argv = list(serve_argv)  # `vllm serve`'s arguments for this engine, for its OpenAI app
+        self.started = time.monotonic()  # when the engine was ready
+        self.served = 0  # requests it finished (0 when it dies: it died on its first)
+        self._death: Optional[str] = None  # why it died, once it has (death_reason)
 
     @classmethod
     def start(cls, config: PlatformConfig, device: str, sync_backend: Optional[str], snapshot: SchedulerSnapshot, stat_loggers: list[Any]) -> EngineAdapter:
@@ -69,7 +82,7 @@ class EngineAdapter:
 
         # Once: on CPU it sizes the KV cache from the memory free now (before the engine takes it).
         kwargs = engine_kwargs(config.model, device)
-        prepare_engine_environment(device)
+        prepare_engine_environment(device, config.model)
         argv = serve_argv(config.model, config.openai, kwargs)
         if sync_backend is not None:
             kwargs["weight_transfer_config"] = _prepare_weight_transfer(sync_backend)
@@ -126,7 +139,14 @@ class EngineAdapter:
             # vLLM checks a structured-output constraint when the request is added.
             if final is None and req.sampling.structured_outputs is not None:
                 raise InvalidRequestError("sampling.structured_outputs", str(e)) from None
-            raise
+            # The request's fault while the engine lives: no wait for a death.
+            raise await self.typed(e, grace_s=0) from e
+        except Exception as e:
+            raise await self.typed(e) from e
+        if final is None:
+            # vLLM ended the request without an output: only an engine that went away does.
+            raise await self.typed(RuntimeError(f"request {req.request_id}: the engine ended it without an output"))
+        self.served += 1
         outputs = sorted(final.outputs, key=lambda c: c.index)
         return Generated([to_sample(c, lora) for c in outputs], len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
 
@@ -136,7 +156,21 @@ class EngineAdapter:
         from rollout.engine.convert import to_sampling_params
 
         params = to_sampling_params(req.sampling, req.n, stream=True)
-        return self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req), **_lora_kwargs(lora))
+        return self._typed_stream(self.engine.generate(self._prompt(prompt_ids, cache_salt), params, self._request_id(req), **_lora_kwargs(lora)))
+
+    async def _typed_stream(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        from vllm.exceptions import VLLMClientError
+
+        # Closing this closes vLLM's generator, which aborts the request in the engine.
+        async with contextlib.aclosing(outputs) as outs:
+            try:
+                async for out in outs:
+                    yield out
+            except (ValueError, VLLMClientError) as e:
+                raise await self.typed(e, grace_s=0) from e  # the request's fault while the engine lives
+            except Exception as e:
+                raise await self.typed(e) from e
+        self.served += 1
 
     # ---- state ------------------------------------------------------------------
 
@@ -148,20 +182,86 @@ class EngineAdapter:
 
     async def reported_version(self) -> str:
         """The version label as the engine core itself reports it (a call into it)."""
-        return await self.engine.get_weight_version()
+        try:
+            return await self.engine.get_weight_version()
+        except Exception as e:
+            raise await self.typed(e) from e
 
     def unfinished_requests(self) -> int:
         return self.engine.get_num_unfinished_requests()
 
+    # ---- liveness ---------------------------------------------------------------
+
+    def dead(self) -> bool:
+        return bool(self.engine.errored)
+
+    def death_reason(self) -> str:
+        """Why the engine died, as far as this process can tell: vLLM's error names no
+        cause ("See stack trace (above)"), so the engine core's exit code (a signal, such as
+        SIGILL, when it was killed) goes with it, and the fatal signal a vLLM process of this
+        engine logged (rollout.engine.lifetime's fault log)."""
+        if self._death is None:
+            from rollout.engine.lifetime import fatal_errors
+
+            parts = [str(self.engine.dead_error)]
+            parts += [f"engine core process {code}" for code in _exit_codes(self.engine)]
+            parts += fatal_errors()
+            self._death = "; ".join(parts)
+        return self._death
+
+    async def typed(self, e: BaseException, grace_s: Optional[float] = None) -> BaseException:
+        """``e``, raised by the engine, as the platform answers it: when the engine is dead
+        or dies within :data:`DEATH_GRACE_S` (vLLM marks it dead after the error reaches its
+        requests), :class:`EngineUnavailableError` (retryable) with the engine's last error;
+        any other error unchanged (a request's own fault, or the platform's)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(e, EngineUnavailableError):
+            return e
+        deadline = time.monotonic() + (DEATH_GRACE_S if grace_s is None else grace_s)
+        while not self.dead():
+            if isinstance(e, EngineDeadError) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        if self.dead() or isinstance(e, EngineDeadError):
+            return EngineUnavailableError(f"engine is dead: {self.death_reason()} (it raised {type(e).__name__}: {e})")
+        return e
+
     def raise_if_dead(self, replica_id: str) -> None:
-        if self.engine.errored:
-            raise EngineUnavailableError(f"replica {replica_id}: engine is dead: {self.engine.dead_error}")
+        if self.dead():
+            raise EngineUnavailableError(f"replica {replica_id}: engine is dead: {self.death_reason()}")
 
     async def check_health(self, timeout_s: float) -> None:
-        await asyncio.wait_for(self.engine.check_health(), timeout=timeout_s)
+        try:
+            await asyncio.wait_for(self.engine.check_health(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailableError(f"the engine did not answer its health check within {timeout_s:g}s (deployment.health_check_timeout_s)") from None
+        except Exception as e:
+            raise await self.typed(e) from e
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _exit_codes(engine: Any) -> list[str]:
+    """How the engine's core processes ended (vLLM's process manager holds them; none where
+    they run in this process or have not ended): ``exit code N`` or ``killed by SIGNAME``."""
+    import signal
+
+    manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+    out = []
+    for proc in getattr(manager, "processes", None) or ():
+        code = proc.exitcode
+        if code is None:
+            continue
+        if code < 0:
+            try:
+                out.append(f"{proc.pid} killed by {signal.Signals(-code).name} (exit code {code})")
+            except ValueError:
+                out.append(f"{proc.pid} exit code {code}")
+        else:
+            out.append(f"{proc.pid} exit code {code}")
+    return out
 
 
 def _lora_kwargs(lora: Optional[ServedAdapter]) -> dict[str, Any]:

@@ -32,15 +32,46 @@ def resolve_device(model: ModelConfig) -> Literal["cpu", "cuda"]:
 CPU_ENGINE_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 
 
-def prepare_engine_environment(device: str) -> None:
+# vLLM's CPU worker binds its OpenMP threads by default (VLLM_CPU_OMP_THREADS_BIND "auto":
+# OMP_PLACES, OMP_PROC_BIND, one thread per core of the first NUMA node but one). Eager,
+# with the KV cache sized explicitly (as the platform always sizes it on CPU), the worker
+# skips its warm-up forward (cpu_worker._should_warm_up_model), so the first request runs
+# the first forward; bound that way it died of SIGILL there (issue 40: exit code -4 on a
+# single 3-token request, bare `vllm serve --enforce-eager` likewise; a batch of 128 first
+# did not). Unbound ("nobind": vLLM leaves OpenMP as the process has it) is what every eager
+# engine of the test suite runs (tests/conftest.py), and they serve.
+EAGER_CPU_BIND = ("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def cpu_engine_env(model: ModelConfig) -> dict[str, str]:
+    """The environment vLLM's engine processes need on CPU for ``model``."""
+    env = dict(CPU_ENGINE_ENV)
+    if model.enforce_eager:
+        env[EAGER_CPU_BIND[0]] = EAGER_CPU_BIND[1]
+    return env
+
+
+def prepare_engine_environment(device: str, model: ModelConfig) -> None:
     """Set what vLLM's engine processes (which inherit this process's environment) need on
-    ``device``, where the operator has not set it already."""
+    ``device``, where the operator has not set it already. Raises
+    :class:`rollout.engine.memory.EngineStartError` for a setting that kills the engine."""
+    from rollout.engine.lifetime import fault_dir
+    from rollout.engine.memory import EngineStartError
+
+    fault_dir()  # where the engine's processes log a fatal signal (rollout.engine.lifetime)
     if device != "cpu":
         return
-    for key, value in CPU_ENGINE_ENV.items():
+    key, unbound = EAGER_CPU_BIND
+    if model.enforce_eager and os.environ.get(key) == "auto":
+        raise EngineStartError(
+            f"model.enforce_eager: true on CPU with {key}={os.environ[key]!r}: vLLM's CPU worker, its OpenMP threads bound so, died of SIGILL on its "
+            f"first request (issue 40); unset {key} (the platform then runs the eager engine unbound) or set model.enforce_eager: false",
+            "model.enforce_eager",
+        )
+    for key, value in cpu_engine_env(model).items():
         if key not in os.environ:
             os.environ[key] = value
-            logger.info("%s=%s for vLLM's engine on CPU (its AOT compile cache does not load there)", key, value)
+            logger.info("%s=%s for vLLM's engine on CPU", key, value)
 
 
 def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:

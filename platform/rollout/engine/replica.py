@@ -130,8 +130,46 @@ class RolloutEngine:
             return f"local-{os.getpid()}"
 
     def _raise_if_dead(self) -> None:
-        self.adapter.raise_if_dead(self.replica_id)
+        self._raise_if_engine_dead()
         self.gate.raise_if_broken()
+
+    def _raise_if_engine_dead(self) -> None:
+        if self.adapter.dead():
+            self._report_death()
+        self.adapter.raise_if_dead(self.replica_id)
+
+    def _report_death(self) -> None:
+        """Once: say why the engine died, in this replica's log and in the cluster's record
+        of engine deaths (rollout.engine.deaths), which outlives this replica: Serve replaces
+        it, and ``rollout serve``, ``/healthz`` and ``rollout status`` report the deaths (a
+        crash loop among them) with this error."""
+        if getattr(self, "_death_reported", False):
+            return
+        self._death_reported = True
+        from rollout.engine import deaths
+
+        death = deaths.EngineDeath(
+            app=self.config.app_name,
+            replica_id=self.replica_id,
+            reason=self.adapter.death_reason(),
+            at=time.time(),
+            uptime_s=time.monotonic() - self.adapter.started,
+            served=self.adapter.served,
+        )
+        logger.error("%s; Serve replaces the replica once its health check fails", death.line())
+        try:
+            deaths.record(death)
+        except Exception:  # the record is for the operator: its failure must not hide the death itself
+            logger.exception("replica %s: could not record its engine's death in the cluster", self.replica_id)
+
+    async def _typed(self, e: BaseException, grace_s: Optional[float] = 0) -> BaseException:
+        """An error of a serving path, typed as the engine's death when that is what it is.
+        No wait by default: what the engine raised, the adapter waited for its death already
+        (``grace_s=None``: the adapter's wait, for an error that did not come through it)."""
+        typed = await self.adapter.typed(e, grace_s)
+        if self.adapter.dead():
+            self._report_death()
+        return typed
 
     def _raise_if_not_serving(self) -> None:
         """Before any work: dead, broken, or alive but waiting for the next publish."""
@@ -173,8 +211,12 @@ class RolloutEngine:
             return [t.result() for t in tasks]
         except* Exception as eg:
             self.admission.count("error", sum(1 for t in tasks if t.cancelled() or t.exception() is not None))
-            self._raise_if_dead()
             first = eg.exceptions[0]
+            # Every error of a dead (or dying) engine is its death, whatever vLLM raised.
+            first = await self._typed(first)
+            if isinstance(first, EngineUnavailableError):
+                raise first from None
+            self._raise_if_dead()
             if isinstance(first, InvalidRequestError):  # found by vLLM when the request was added: name it
                 at = next((i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is first), None)
                 if at is not None:
@@ -242,9 +284,12 @@ class RolloutEngine:
             except (asyncio.CancelledError, GeneratorExit):
                 self.admission.count("cancelled")
                 raise
-            except Exception:
+            except Exception as e:
                 self.admission.count("error")
-                raise
+                typed = await self._typed(e)
+                if typed is e:
+                    raise
+                raise typed from e
 
     async def _salted_stream(self, req: RolloutRequest, prompt_ids: list[int], lora: Optional[ServedAdapter] = None) -> AsyncIterator[Any]:
         """The engine's outputs of one request, its salt taken as its first is asked for
@@ -274,7 +319,15 @@ class RolloutEngine:
             self.gate.raise_if_adapter_unavailable(model)
         with self.admission.inflight.counted(1):
             async with contextlib.aclosing(forward(self.openai_app, request, self._weight_version_label, self.replica_id)) as parts:
+                first = True
                 async for part in parts:
+                    if first and part["status"] >= 500:
+                        # vLLM's app answers its engine's death with its own 500: ours is the
+                        # typed retryable error, as on every other route.
+                        typed = await self._typed(RuntimeError(f"vLLM's OpenAI app answered {part['status']}"), grace_s=None)
+                        if isinstance(typed, EngineUnavailableError):
+                            raise typed
+                    first = False
                     yield part
 
     # ---- episodes ---------------------------------------------------------------
@@ -328,7 +381,13 @@ class RolloutEngine:
 
     async def stats(self) -> ReplicaLoad:
         # Asked rarely, so it can wait for the version as the engine core itself reports it.
-        return self._load().model_copy(update={"weight_version": await self.adapter.reported_version()})
+        self._raise_if_engine_dead()
+        try:
+            version = await self.adapter.reported_version()
+        except EngineUnavailableError:
+            self._raise_if_engine_dead()  # with the death reported
+            raise
+        return self._load().model_copy(update={"weight_version": version})
 
     async def _report_gauges(self, period_s: float = 1.0) -> None:
         while True:
@@ -355,7 +414,11 @@ class RolloutEngine:
         so liveness alone would pass.
         """
         self._raise_if_dead()
-        await self.adapter.check_health(self.config.deployment.health_check_timeout_s)
+        try:
+            await self.adapter.check_health(self.config.deployment.health_check_timeout_s)
+        except EngineUnavailableError:
+            self._raise_if_engine_dead()  # with the death reported, when it is one
+            raise
         inflight = self.admission.inflight
         if self.gate.held:
             # A trainer's /pause holds the requests on purpose; its /resume starts the clock again.

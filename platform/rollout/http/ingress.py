@@ -15,6 +15,8 @@ from rollout import wire_errors as wire
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, EpisodeTurnBody, Trajectory, TurnResult, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
 from rollout.client.handle import HandleTransport
 from rollout.config import PlatformConfig
+from rollout.engine.deaths import EngineDeath, crash_loop
+from rollout.engine.deaths import read as read_deaths
 from rollout.engine.load import ReplicaLoad
 from rollout.errors import EngineUnavailableError, InvalidRequestError, RolloutError, loc_to_field
 from rollout.logs import show_platform_logs
@@ -119,11 +121,28 @@ class HttpIngress(VllmRlRoutes):
 
     @app.get("/healthz", responses=HEALTH_ERRORS)
     async def healthz(self) -> dict:
+        """200 while an engine replica answers. Engines that died (rollout.engine.deaths)
+        are reported either way: ``engine_deaths`` (how many, the last one's error) and
+        ``crash_loop`` when they keep dying, which replicas restarted in between hide."""
+        died = self._engine_deaths()
+        loop = crash_loop(died)
         try:
             await self.engine.stats()
         except Exception as e:
-            raise EngineUnavailableError(f"no healthy engine replica: {e}") from None
-        return {"status": "ok"}
+            raise EngineUnavailableError(f"no healthy engine replica: {e}" + (f"; {loop}" if loop else "")) from None
+        out: dict[str, Any] = {"status": "ok"}
+        if died:
+            out["engine_deaths"] = {"count": len(died), "last": died[-1].line()}
+        if loop:
+            out["crash_loop"] = loop
+        return out
+
+    def _engine_deaths(self) -> list[EngineDeath]:
+        try:
+            return read_deaths(self.config.app_name)
+        except Exception:  # the record is a report: the probe answers without it
+            logger.exception("could not read the engine deaths of app %s", self.config.app_name)
+            return []
 
     @app.get("/v1/stats", dependencies=[Depends(require_key)], responses=STATS_ERRORS)
     async def engine_stats(self) -> ReplicaLoad:
