@@ -71,10 +71,16 @@ def fault_dir() -> str:
     starts (which inherit its environment)."""
     import tempfile
 
+    import atexit
+    import shutil
+
     directory = os.environ.get(FAULT_DIR_ENV)
     if not directory:
         directory = tempfile.mkdtemp(prefix=f"rollout-engine-faults-{os.getpid()}-")
         os.environ[FAULT_DIR_ENV] = directory
+        # Removed when the replica's process exits normally (a killed one leaves a few
+        # bytes in the temporary directory, as its other temporary files do).
+        atexit.register(shutil.rmtree, directory, True)
     return directory
 
 
