@@ -107,16 +107,25 @@ def test_the_code_never_runs_as_host_root(runner):
         assert iso["uid_leased"] and 200_000 <= iso["host_uid"] < 200_256
     # Seen from the host while a call runs: every process of the call has that uid.
     runner.start("import os,time\nos.fork() or time.sleep(0.1)\ntime.sleep(3)\nprint(os.getuid())")
-    seen = set()
+    seen, groups = set(), set()
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline and len(seen) < 2:
         for p in psutil.process_iter(["cmdline", "uids"]):
-            if "/sandbox/boot.py" in (p.info["cmdline"] or []) and p.info["uids"]:
+            cmdline = p.info["cmdline"] or []
+            # The call's processes (bubblewrap's own process outside the sandbox names the boot script too).
+            if "/sandbox/boot.py" in cmdline and "bwrap" not in cmdline[0] and p.info["uids"]:
                 seen.add((p.pid, tuple(p.info["uids"])))
+                try:
+                    groups.add(open(f"/proc/{p.pid}/cgroup").read())
+                except OSError:
+                    pass
         time.sleep(0.05)
     result = runner.result()
     assert result["stdout"] == "65534\n"
     assert seen and {uids for _, uids in seen} == {(iso["host_uid"],) * 3}, seen
+    if iso["cgroups"] != "none":
+        # In the call's own groups from its first instruction (joined before the code ran).
+        assert groups and all("/rollout-python/call-" in g for g in groups), groups
 
 
 def test_root_only_files_and_the_workers_secrets_stay_outside(runner):

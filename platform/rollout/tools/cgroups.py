@@ -173,6 +173,16 @@ class CallGroup:
     def procs_files(self) -> list[str]:
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
 
+    def join(self, pid: int) -> bool:
+        """Move ``pid`` into the call's groups; False (logged) where the kernel refused."""
+        try:
+            for procs in self.procs_files:
+                _write(procs, str(pid))
+        except OSError as e:
+            logger.warning("cannot move the sandbox's init %d into %s: %s", pid, self.dirs, e)
+            return False
+        return True
+
     def out_of_memory(self) -> bool:
         for d in self.dirs:
             for name, key in (("memory.events", "oom_kill"), ("memory.oom_control", "oom_kill")):

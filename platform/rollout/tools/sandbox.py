@@ -329,7 +329,7 @@ class Sandbox:
         cmd += ["--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--disable-userns"]
         # The code is the namespace's init: no reaper of bubblewrap's beside it to be patched
         # through /proc/1/mem, and the whole namespace dies with it.
-        cmd += ["--as-pid-1", "--info-fd", str(fds["info"])]
+        cmd += ["--as-pid-1", "--info-fd", str(fds["info"]), "--block-fd", str(fds["gate"])]
         cmd += ["--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox"]
         cmd += ["--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
         cmd += ["--ro-bind", "/usr", "/usr", *self._layout]
@@ -361,11 +361,13 @@ class Sandbox:
 
     def _run(self, code: str, limits: SandboxLimits, program: str, watch=None) -> tuple[SandboxResult, object]:
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
+        gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
         fds = {
             "boot": program_fd(self._boot),
             "code": program_fd(code.encode("utf-8", errors="surrogatepass")),
             "seccomp": program_fd(self._seccomp),
             "info": info_w,
+            "gate": gate_r,
         }
         group = None
         try:
@@ -377,19 +379,18 @@ class Sandbox:
                         memory_bytes=limits.memory_bytes + limits.disk_bytes + CGROUP_SLACK_BYTES, max_processes=limits.max_processes + CGROUP_SLACK_PROCESSES
                     ),
                 )
-                # The shell joins the call's groups (as the worker: the groups are its), then
-                # becomes bubblewrap, as the call's user: everything the sandbox starts is
-                # counted there from its first instruction.
-                join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
-                cmd = ["/bin/sh", "-c", join, "sh", *group.procs_files, "--", *cmd]
-            return self._supervise(cmd, fds, info_r, limits, group, watch)
+            return self._supervise(cmd, fds, info_r, gate_w, limits, group, watch)
         finally:
-            for fd in (*fds.values(), info_r):  # (the info pipe's write end is gone from fds once the child has it)
-                os.close(fd)
+            # (the pipes' child ends are gone from fds once the child has them)
+            for fd in (*fds.values(), info_r, gate_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass  # gate_w: closed when the gate opened
             if group is not None:
                 group.close()
 
-    def _supervise(self, cmd: list[str], fds: dict[str, int], info_r: int, limits: SandboxLimits, group, watch) -> tuple[SandboxResult, object]:
+    def _supervise(self, cmd: list[str], fds: dict[str, int], info_r: int, gate_w: int, limits: SandboxLimits, group, watch) -> tuple[SandboxResult, object]:
         try:
             proc = subprocess.Popen(
                 cmd,
@@ -401,8 +402,10 @@ class Sandbox:
                 start_new_session=True,  # its own process group: the wall-time kill takes everything it started
             )
         finally:
-            # The info pipe's write end is the child's alone: EOF once bubblewrap has written.
+            # The pipes' other ends are the child's alone: EOF on info once bubblewrap has
+            # written where the sandbox is.
             os.close(fds.pop("info"))
+            os.close(fds.pop("gate"))
         cap = limits.output_chars * 4  # UTF-8 is at most 4 bytes a character
         out, err, info = _Capped(cap, "head"), _Capped(cap, "tail"), _Capped(4096, "head")
         init = _NamespaceInit()
@@ -426,6 +429,7 @@ class Sandbox:
                             sel.unregister(key.fileobj)
                             if key.data is info:
                                 init.open(bytes(info.data), proc.pid)
+                                self._open_gate(init, group, gate_w)
                     if watch is not None and watched is None and init.pid is not None:
                         watched = watch(init.pid, bytes(out.data))
                         if watched is not None:
@@ -460,6 +464,18 @@ class Sandbox:
         stderr, err_cut = err.text(limits.output_chars)
         result = SandboxResult(exit_code=None if stopped else code, stdout=stdout, stderr=stderr, stopped=stopped, stdout_truncated=out_cut, stderr_truncated=err_cut)
         return result, watched
+
+    @staticmethod
+    def _open_gate(init: "_NamespaceInit", group, gate_w: int) -> None:
+        """Let the sandbox go on (bubblewrap waits on ``--block-fd`` before it runs the code),
+        once it is in the call's cgroups: moved there while nothing but its init exists,
+        everything it starts is counted from its first instruction. Where it cannot be
+        moved, the gate stays shut and the init is killed: no call runs outside its group."""
+        if group is not None:
+            if init.pid is None or not group.join(init.pid):
+                init.kill()
+                return
+        os.write(gate_w, b"1")
 
     # ---- the check when built ------------------------------------------------------
 
