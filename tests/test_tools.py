@@ -252,3 +252,16 @@ def test_what_bubblewrap_says_is_answered_with_the_setting_to_change(said, setti
     from rollout.tools.sandbox import _hint
 
     assert setting in _hint(said)
+
+
+def test_a_sandbox_without_cgroups_says_so_loudly(caplog):
+    """No silent fallback: without cgroups the tree's memory is bounded per process only,
+    and the worker warns, naming the setting that refuses it (processes still end with the
+    call: tests/test_sandbox_attacks.py runs every class without cgroups too)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="rollout.tools.sandbox"):
+        sandbox = Sandbox(LIMITS, cgroup_mode="off")
+    assert sandbox.isolation.cgroups == "none" and sandbox.isolation.label.endswith("cgroup-none")
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "without cgroups" in warning.getMessage() and "tools.python.cgroups=required" in warning.getMessage()
