@@ -140,9 +140,17 @@ def pod_argv(*argv: str) -> list[str]:
     (``sh -c``) and its arguments. When ``unshare`` ends, however (``--kill-child`` is the
     PID 1's parent-death signal, SIGKILL), the PID 1 dies, and with it, by the kernel, every
     other process of the namespace; teardown also finds them by the host's network
-    namespace (``ip netns pids``)."""
+    namespace (``ip netns pids``). A checkout under /tmp (a CI clone there) is moved onto the
+    pod's /tmp, so its virtualenv is still where the pod's commands name it."""
     mounts = "mount -t tmpfs pod-tmp /tmp && mount -t tmpfs pod-shm /dev/shm && exec sh -c \"$@\""
+    if CHECKOUT.startswith("/tmp/"):
+        keep = f"mount --bind {CHECKOUT} /mnt && "
+        back = f"mkdir -p {CHECKOUT} && mount --move /mnt {CHECKOUT} && "
+        mounts = keep + mounts.replace("mount -t tmpfs pod-shm", back + "mount -t tmpfs pod-shm", 1)
     return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation=private", "sh", "-c", mounts, "pod", *argv]
+
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
