@@ -83,13 +83,19 @@ def test_the_soak_section_says_which_checks_failed_and_counts_every_outcome(tmp_
     assert "| kill_ingress | 10 s | 0.5 s | 9.0 s |" in text
 
 
+# What every python_tool result says of its run, beside its points.
+PYTHON_TOOL_RUN = {
+    "rounds": 30,
+    "order": "interleaved",
+    "bubblewrap": "bubblewrap 0.8.0",
+    "isolation": "bubblewrap+seccomp+cgroup-v1",
+    "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11.7", "kernel": "6.1.0"},
+}
+
+
 def test_the_python_tool_section_shows_both_sandboxes_and_the_paired_overhead(tmp_path):
     result = {
-        "rounds": 30,
-        "order": "interleaved",
-        "bubblewrap": "bubblewrap 0.8.0",
-        "isolation": "bubblewrap+seccomp+cgroup-v1",
-        "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11.7", "kernel": "6.1.0"},
+        **PYTHON_TOOL_RUN,
         "points": [
             {
                 "program": "print(6*7)",
@@ -110,11 +116,7 @@ def test_the_python_tool_section_shows_the_previous_pass_and_its_goal(tmp_path):
         return {"median": median, "interval_90": [low, high]}
 
     result = {
-        "rounds": 30,
-        "order": "interleaved",
-        "bubblewrap": "bubblewrap 0.8.0",
-        "isolation": "bubblewrap+seccomp+cgroup-v1",
-        "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11.7", "kernel": "6.1.0"},
+        **PYTHON_TOOL_RUN,
         "goal": "today's sandbox at most +5 ms over the previous pass on print(6*7)",
         "goal_met": None,
         "points": [
