@@ -381,12 +381,9 @@ class Sandbox:
                 )
             return self._supervise(cmd, fds, info_r, gate_w, limits, group, watch)
         finally:
-            # (the pipes' child ends are gone from fds once the child has them)
+            # (the pipes' child ends are gone from fds: closed once the child had them)
             for fd in (*fds.values(), info_r, gate_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass  # gate_w: closed when the gate opened
+                os.close(fd)
             if group is not None:
                 group.close()
 
