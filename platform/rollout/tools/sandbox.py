@@ -558,7 +558,8 @@ class _NamespaceInit:
         # The pid could have been reused between bubblewrap's word and the pidfd: it is
         # ours only while it is bubblewrap's child and the init of a namespace of its own.
         status = _status(pid)
-        if status.get("PPid") != str(bwrap_pid) and not _is_descendant(pid, bwrap_pid) or status.get("NSpid", "").split()[-1:] != ["1"]:
+        # (setpriv, where it runs, becomes bubblewrap: same pid, so the init is its child.)
+        if status.get("PPid") != str(bwrap_pid) or status.get("NSpid", "").split()[-1:] != ["1"]:
             os.close(fd)
             return
         self.pid, self._fd = pid, fd
@@ -589,19 +590,6 @@ def _status(pid: int) -> dict[str, str]:
             return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
     except OSError:
         return {}
-
-
-def _is_descendant(pid: int, ancestor: int) -> bool:
-    """bubblewrap as the call's user runs under setpriv, or a shell joining cgroups, which
-    become it (same pid): its child is the init, but walk up a few levels to be sure."""
-    for _ in range(4):
-        ppid = _status(pid).get("PPid")
-        if ppid is None:
-            return False
-        if int(ppid) == ancestor:
-            return True
-        pid = int(ppid)
-    return False
 
 
 def _seen_from_outside(pid: int) -> dict:
