@@ -16,12 +16,18 @@ from tests.conftest import answers_ok
 
 
 class PrometheusServer:
-    def __init__(self, workdir: Path, scrape_port: int, port: int, rule_files: list[Path]):
+    def __init__(self, workdir: Path, scrape_port: int, port: int, rule_files: list[Path], scrape_interval_s: int = 5):
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("prometheus is not installed: `apt-get install prometheus` (.ci/run does it)")
+        # A scrape's timeout is at most its interval. Ray's metrics agent, beside the other
+        # test lane's clusters on 2 cores, took over 1 s per scrape for minutes on end (a CI
+        # run's TSDB: `up` 0 and `scrape_duration_seconds` 1.0 throughout), so Prometheus
+        # stored nothing. 5 s answers a loaded agent; `settle_s` covers two scrapes.
+        self.scrape_interval_s = scrape_interval_s
+        self.settle_s = 2 * scrape_interval_s + 1.0
         config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "global": {"scrape_interval": f"{scrape_interval_s}s", "scrape_timeout": f"{scrape_interval_s}s", "evaluation_interval": "1s"},
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{scrape_port}"]}]}],
         }
@@ -44,6 +50,15 @@ class PrometheusServer:
         if body.get("status") != "success":
             raise AssertionError(f"{expr}: {body}")
         return body["data"]["result"]
+
+    def targets(self) -> list[dict[str, Any]]:
+        """Each scrape target's health, last error and last scrape's duration: what a failed
+        query's message needs to tell an empty store from a slow or unreachable target."""
+        body = httpx.get(f"{self.url}/api/v1/targets", timeout=10).json()
+        return [
+            {k: t.get(k) for k in ("scrapeUrl", "health", "lastError", "lastScrapeDuration")}
+            for t in body.get("data", {}).get("activeTargets", [])
+        ]
 
     def value(self, expr: str) -> float:
         result = self.query(expr)

@@ -35,8 +35,10 @@ def publisher(platform):
     return WeightPublisher.connect(app_name=platform.app_name, token=SYNC_TOKEN)
 
 
-async def settled(prom: PrometheusServer, expr: str, seconds: float = 4.0, timeout_s: float = 90.0) -> float:
-    """The value of ``expr`` once it has stopped changing for ``seconds``."""
+async def settled(prom: PrometheusServer, expr: str, seconds: float | None = None, timeout_s: float = 90.0) -> float:
+    """The value of ``expr`` once it has stopped changing for ``seconds`` (two scrapes unless
+    told)."""
+    seconds = max(seconds or 0.0, prom.settle_s)
     deadline = time.monotonic() + timeout_s
     last, since = None, time.monotonic()
     while time.monotonic() < deadline:
@@ -47,7 +49,7 @@ async def settled(prom: PrometheusServer, expr: str, seconds: float = 4.0, timeo
         elif time.monotonic() - since >= seconds:
             return value
         await asyncio.sleep(0.5)
-    raise AssertionError(f"{expr} did not settle (last {last})")
+    raise AssertionError(f"{expr} did not settle (last {last}); targets: {await asyncio.to_thread(prom.targets)}")
 
 
 async def until(prom: PrometheusServer, expr: str, predicate, timeout_s: float = 90.0):
@@ -57,7 +59,7 @@ async def until(prom: PrometheusServer, expr: str, predicate, timeout_s: float =
         if result and predicate(result):
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"{expr}: {result}")
+            raise AssertionError(f"{expr}: {result}; targets: {await asyncio.to_thread(prom.targets)}")
         await asyncio.sleep(0.5)
 
 
