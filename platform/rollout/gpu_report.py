@@ -1,10 +1,10 @@
-"""The README's "Verified on GPU" section, rendered from the GPU checks' results files.
+"""The docs' "Verified on GPU" section (docs/gpu.md), rendered from the GPU checks' results files.
 
 ``tests/gpu/check.sh run`` writes the results (every GPU test's outcome and numbers, with
 the versions and GPUs it ran on); the committed copies live in ``docs/gpu/``, named after
 the commit they ran at. The table shows the newest run; a check that did not pass there
 also shows the last older run where it passed. Nothing in the section is typed by hand:
-``rollout gpu-report --readme README.md`` rewrites it, and a test fails when it is stale.
+``rollout gpu-report --page docs/gpu.md`` rewrites it, and a test fails when it is stale.
 """
 
 from __future__ import annotations
@@ -348,6 +348,6 @@ def render_files(paths: list[Path]) -> str:
     return render([(json.loads(p.read_text()), _source(p)) for p in paths])
 
 
-def update_readme(readme: Path, results: list[Path]) -> bool:
-    """Rewrite the section of ``readme`` from ``results`` (newest first); return True when it changed."""
-    return replace_section(readme, BEGIN, END, render_files(results))
+def update_page(page: Path, results: list[Path]) -> bool:
+    """Rewrite the section of ``page`` from ``results`` (newest first); return True when it changed."""
+    return replace_section(page, BEGIN, END, render_files(results))

@@ -1,4 +1,4 @@
-"""Generated sections of the README: a block between two marker lines, rewritten in place."""
+"""Generated sections of the docs' pages: a block between two marker lines, rewritten in place."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The README's benchmark numbers, rendered from the committed benchmark JSON.
+"""The benchmark numbers of the docs' Benchmarks page, rendered from the committed JSON.
 
 ``make bench`` writes ``docs/bench/<benchmark>.json`` and then runs
-``rollout bench-report --readme README.md``, which rewrites the section between the
-markers. No benchmark number in the README is typed by hand; a test fails when the
+``rollout bench-report --page docs/benchmarks.md``, which rewrites the section between the
+markers. No benchmark number in the docs is typed by hand; a test fails when the
 section does not match the committed JSON.
 """
 
@@ -425,6 +425,6 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, results_dir: Path = RESULTS_DIR) -> bool:
-    """Rewrite the section of ``readme``; True when it changed."""
-    return replace_section(readme, BEGIN, END, render(results_dir))
+def update_page(page: Path, results_dir: Path = RESULTS_DIR) -> bool:
+    """Rewrite the section of ``page``; True when it changed."""
+    return replace_section(page, BEGIN, END, render(results_dir))
