@@ -36,13 +36,17 @@ $(TOOLS)/bin/checkov:
 	$(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/pip install --quiet "checkov==3.3.30"
 
-# The documentation site (mkdocs, its Material theme, mkdocstrings for the Python API) also
-# lives in a virtualenv of its own: it needs none of the project's dependencies (mkdocstrings
-# reads the source under platform/ without importing it), so `make docs` builds in seconds on
-# a clean clone instead of waiting for vLLM's install.
-$(DOCS)/bin/mkdocs:
-	$(PYTHON) -m venv $(DOCS)
-	$(DOCS)/bin/pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.1" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11"
+# The documentation site (mkdocs, its Material theme, mkdocstrings and griffe-pydantic for the
+# Python API) also lives in a virtualenv of its own: it needs none of the project's
+# dependencies (griffe reads the source under platform/ without importing it), so `make docs`
+# builds in seconds on a clean clone instead of waiting for vLLM's install. The stamp follows
+# the pins: a changed pin reinstalls.
+DOCS_PINS := "mkdocs==1.6.1" "mkdocs-material==9.8.1" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11" "griffe-pydantic==1.3.2"
+DOCS_STAMP := $(DOCS)/.installed
+$(DOCS_STAMP): Makefile
+	test -x $(DOCS)/bin/python || $(PYTHON) -m venv $(DOCS)
+	$(DOCS)/bin/pip install --quiet $(DOCS_PINS)
+	touch $@
 
 # $(call apt_install,PACKAGES): Debian's PACKAGES (as root, else through sudo), refreshing the
 # package lists only when the first try fails (a fresh image has none).
@@ -188,8 +192,9 @@ gpu-report: install
 
 # The documentation site from docs/ (mkdocs.yml) into site/; --strict fails on any broken
 # link, anchor or API reference. The generated sections are checked by the tests, not here.
-docs: $(DOCS)/bin/mkdocs
-	$(DOCS)/bin/mkdocs build --strict --site-dir site
+# NO_MKDOCS_2_WARNING: Material's banner about its end of life, printed on every build.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf build site
