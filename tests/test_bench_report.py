@@ -1,4 +1,4 @@
-"""rollout.bench.report renders the README's benchmark numbers from the benchmark JSON."""
+"""rollout.bench.report renders the Benchmarks page's numbers from the benchmark JSON."""
 
 from __future__ import annotations
 
@@ -42,14 +42,14 @@ def test_every_number_comes_from_the_json_and_a_missed_target_says_so(tmp_path):
     assert "**weight_sync**: no results committed" in text
 
 
-def test_the_readme_section_is_rewritten_in_place(tmp_path):
+def test_the_page_section_is_rewritten_in_place(tmp_path):
     (tmp_path / "engine_throughput.json").write_text(json.dumps(throughput(1.0)))
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{report.BEGIN}\nold numbers\n{report.END}\noutro\n")
-    assert report.update_readme(readme, tmp_path)
-    text = readme.read_text()
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{report.BEGIN}\nold numbers\n{report.END}\noutro\n")
+    assert report.update_page(page, tmp_path)
+    text = page.read_text()
     assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old numbers" not in text and "**met**" in text
-    assert not report.update_readme(readme, tmp_path)
+    assert not report.update_page(page, tmp_path)
 
 
 def test_paired_ratios_cancel_drift_that_both_paths_see():
@@ -166,7 +166,7 @@ def test_the_hosts_publish_table_comes_from_the_json_and_a_bench_that_could_not_
 
 
 def rendered(tmp_path, name: str, result: dict) -> str:
-    """The README section rendered from ``result`` as the benchmark ``name``'s JSON."""
+    """The page section rendered from ``result`` as the benchmark ``name``'s JSON."""
     (tmp_path / f"{name}.json").write_text(json.dumps(result))
     return report.render(tmp_path)
 

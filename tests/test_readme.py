@@ -1,41 +1,101 @@
+"""The README (the front page) and the documentation site under docs/: the commands the
+README shows stay runnable, and every generated section of a page is what its command
+writes today (a stale one names the command that rewrites it)."""
+
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import yaml
 
 from rollout.config_docs import BEGIN, END, render
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+CONFIGURATION = DOCS / "configuration.md"
+HTTP_PAGE = DOCS / "reference" / "http.md"
+BENCHMARKS = DOCS / "benchmarks.md"
+GPU = DOCS / "gpu.md"
+CONCEPTS = DOCS / "concepts.md"
+QUICKSTART = DOCS / "quickstart.md"
 
 
-def test_readme_configuration_reference_is_generated_from_the_models():
-    text = README.read_text()
+def test_configuration_reference_is_generated_from_the_models():
+    text = CONFIGURATION.read_text()
     block = text[text.index(BEGIN) : text.index(END) + len(END)]
-    assert block == render(), "README is stale: run `make config-docs`"
+    assert block == render(), "docs/configuration.md is stale: run `make config-docs`"
 
 
 def test_readme_shows_the_two_commands_and_ci_runs_the_test_command():
     text = README.read_text()
     assert "make test" in text and "make demo" in text
-    assert "make test" in (README.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "step test" in ci and "step docs" in ci
 
 
-def test_readme_gpu_section_is_generated_from_the_committed_results():
+def test_readme_is_a_front_page_whose_links_reach_every_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200, "the README is the front page: move text into a page under docs/"
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert [link for link in links if not link.startswith("http") and not (ROOT / link).exists()] == []
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+
+    def pages(entries):
+        for entry in entries:
+            for value in entry.values():
+                yield from pages(value) if isinstance(value, list) else [value]
+
+    # Every page a reader can reach from the site's navigation is linked from the README too
+    # (the Python API by its first page), so the front page stays the map of the docs.
+    linked = {str((ROOT / link).resolve().relative_to(DOCS)) for link in links if link.startswith("docs/") and link.endswith(".md")}
+    missing = [p for p in pages(nav) if p not in linked and p != "index.md" and not p.startswith("reference/python/")]
+    assert missing == [], f"pages the README does not link: {missing}"
+
+
+def test_the_smallest_config_of_the_quickstart_is_a_valid_config():
+    from rollout.config import PlatformConfig
+
+    text = QUICKSTART.read_text()
+    block = text[text.index("The smallest config names only the model") :].split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = yaml.safe_load(block)
+    # tests/test_cli_serve.py serves exactly these sections, with a real model path.
+    assert set(config) == {"model", "http"} and set(config["model"]) == {"path"}
+    PlatformConfig.model_validate(config)
+
+
+def test_http_reference_and_committed_schema_are_generated_from_the_ingress():
+    from rollout import config_docs
+    from rollout.readme_section import section
+
+    schema = config_docs.openapi_schema()
+    assert config_docs.OPENAPI_FILE.read_text() == config_docs.openapi_json(schema), "docs/reference/openapi.json is stale: run `make http-docs`"
+    block = section(HTTP_PAGE.read_text(), config_docs.HTTP_BEGIN, config_docs.HTTP_END)
+    assert block == config_docs.render_http(schema), "docs/reference/http.md is stale: run `make http-docs`"
+    # The raw-HTTP storage publish the page walks through names the routes and fields it uses.
+    for route in ("### `POST /v1/sync/storage-rounds`", "### `POST /v1/sync/rounds/{round_id}/finish`"):
+        assert route in block
+    for field in ("checkpoint", "manifest", "params"):
+        assert f"| `{field}` |" in block.split("### `POST /v1/sync/storage-rounds`")[1].split("\n### ")[0]
+
+
+def test_gpu_section_is_generated_from_the_committed_results():
     from rollout import gpu_report
 
-    text = README.read_text()
+    text = GPU.read_text()
     block = text[text.index(gpu_report.BEGIN) : text.index(gpu_report.END) + len(gpu_report.END)]
-    assert block == gpu_report.render_files(gpu_report.all_results()), "README is stale: run `rollout gpu-report --readme README.md`"
+    assert block == gpu_report.render_files(gpu_report.all_results()), "docs/gpu.md is stale: run `make gpu-report`"
 
 
-def test_readme_benchmark_numbers_are_generated_from_the_committed_json():
+def test_benchmark_numbers_are_generated_from_the_committed_json():
     from rollout.bench import report
 
     from rollout.readme_section import section
 
-    assert section(README.read_text(), report.BEGIN, report.END) == report.render(), "README is stale: run `rollout bench-report --readme README.md` (make bench does)"
+    assert section(BENCHMARKS.read_text(), report.BEGIN, report.END) == report.render(), "docs/benchmarks.md is stale: run `rollout bench-report --page docs/benchmarks.md` (make bench does)"
     for name in report.RENDERERS:
         assert (report.RESULTS_DIR / f"{name}.json").exists(), f"docs/bench/{name}.json is not committed"
-
 
 def test_gpu_report_says_what_did_not_pass_and_why():
     from rollout.gpu_report import render
@@ -70,16 +130,14 @@ def test_gpu_report_shows_where_a_check_that_failed_last_passed_before():
 
 
 def _how_it_is_built() -> str:
-    text = README.read_text()
-    start = text.index("## How it is built")
-    return text[start : text.index("\n## ", start + 1)]
+    return CONCEPTS.read_text()
 
 
 def test_how_it_is_built_names_modules_that_exist():
     import re
 
     section = _how_it_is_built()
-    package = README.parent / "platform" / "rollout"
+    package = ROOT / "platform" / "rollout"
     named = set(re.findall(r"`rollout/([\w/]+\.py)`", section)) | set(re.findall(r"\b((?:sync|engine|routing|http|client)/[\w/]+\.py)\b", section))
     assert len(named) > 20
     assert sorted(p for p in named if not (package / p).is_file()) == []
