@@ -87,7 +87,7 @@ def test_no_function_in_the_sync_package_takes_more_than_five_positional_paramet
 
 
 # The layers, lowest first. A module may import its own layer and the ones below it, never
-# one above: the README's "How it is built" explains each. A pattern ending in ".*" holds a
+# one above: docs/concepts.md explains each. A pattern ending in ".*" holds a
 # package's modules; the longest pattern that matches a module places it, so a package can
 # keep its torch-free contract (``rollout.sync.protocol``) below config while its services
 # (``rollout.sync.coordinator``) sit above it. Every module must be placed.

@@ -1,4 +1,4 @@
-"""`rollout serve` as a new user runs it: the README's smallest config, and one that cannot fit.
+"""`rollout serve` as a new user runs it: the smallest config of docs/quickstart.md, and one that cannot fit.
 
 Each test runs the command in its own process; the one that serves starts its own local
 Ray cluster (it runs among the unit tests, before the session's cluster starts).

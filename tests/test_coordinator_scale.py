@@ -39,7 +39,7 @@ def test_the_simulation_drives_real_rounds_catch_up_and_a_stall_that_ends_in_an_
     assert "did not finish within" in first["error"] or "deadline" in first["error"], first
     # Once the silent replica is dropped (3 polls), a round commits without it.
     assert stall["commit_without_them_s"] is not None and stall["members_at_end"] == 9, stall
-    # What the README shows comes from this JSON.
+    # What docs/benchmarks.md shows comes from this JSON.
     text = "\n".join(report.coordinator_scale(r))
     assert "| 10 |" in text and "1 stalled mid-round: the round aborted after" in text
 

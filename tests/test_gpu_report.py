@@ -1,4 +1,4 @@
-"""The README's GPU table (rollout.gpu_report) for the fleet check and for checks that
+"""The GPU table of docs/gpu.md (rollout.gpu_report) for the fleet check and for checks that
 have no row of their own, from small synthetic results."""
 
 from __future__ import annotations

@@ -804,7 +804,7 @@ def test_ray_token_authentication_is_on_with_its_token_in_the_charts_secret():
 
 
 def test_trainers_reach_the_ray_pods_only_on_the_serve_port_and_the_pinned_sync_range():
-    """Weight sync (README, "Ports the sync uses"): the Ray pods' ephemeral range is pinned by
+    """Weight sync (docs/sync-ports.md): the Ray pods' ephemeral range is pinned by
     their sysctl, and the policy opens to trainers exactly that range besides Serve's port."""
     values = MATRIX["network-policy"]
     objs = render(values)

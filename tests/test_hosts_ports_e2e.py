@@ -2,8 +2,8 @@
 
 Two parts, each in fresh network namespaces of its own, with nftables inside them
 (tests/hosts_firewall.py): every new TCP connection is recorded per host and direction,
-and with default-drop input the hosts admit exactly the ports the README's "Ports the
-sync uses" documents.
+and with default-drop input the hosts admit exactly the ports docs/sync-ports.md
+documents.
 
 - A gloo group of two ranks on two bare hosts (no Ray): who listens and who connects
   (gloo's rule, read from its source: of a pair, the host with the higher address
@@ -42,13 +42,13 @@ START_TIMEOUT_S = 420
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300]]
 N_TOKENS = 12
 
-# The pins the README documents, as a deployment would set them:
+# The pins docs/sync-ports.md documents, as a deployment would set them:
 HEAD_EPHEMERAL = PortRange(40000, 40999)  # engine pods: sysctl net.ipv4.ip_local_port_range
 TRAINER_EPHEMERAL = PortRange(45000, 45999)  # trainer pods: the same sysctl
 PUBLISHER_PORTS = PortRange(46000, 46009)  # trainer pods: ROLLOUT_PUBLISHER_PORTS
 KEEPER_PORTS = PortRange(39000, 39009)  # the platform's sync.rendezvous_ports (inside the Ray cluster)
 
-# The admitting rules' comments (each one documented in the README).
+# The admitting rules' comments (each one documented in docs/sync-ports.md).
 R_HTTP = "serve-http"
 R_ENGINE_PAIRS = "gloo-pairs-engine"
 R_RENDEZVOUS = "publisher-rendezvous"

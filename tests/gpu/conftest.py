@@ -3,7 +3,7 @@
 ``tests/gpu/check.sh`` runs these tests on a lent GPU machine with
 ``ROLLOUT_GPU_RESULTS`` pointing at the results file; the file is rewritten after every
 test, so a run cut short still says what passed, what failed (with the error) and what
-did not run. ``rollout gpu-report`` renders the README's "Verified on GPU" section from it.
+did not run. ``rollout gpu-report`` renders the "Verified on GPU" section of docs/gpu.md from it.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_deselected(items):
     """A run of some checks (``-k``) still lists the others, as not run and why: the
-    README's table then shows where each of them last passed."""
+    table of docs/gpu.md then shows where each of them last passed."""
     if _record is None:
         return
     for item in items:

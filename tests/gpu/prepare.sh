@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Here (any Linux machine with pip and the package registries): prepare what a lent GPU machine needs
-# to run the platform's GPU check, in the ignored folder .gpu-transfer/ (see the README, "Verified on GPU").
+# to run the platform's GPU check, in the ignored folder .gpu-transfer/ (see docs/gpu.md).
 #
 #   bash tests/gpu/prepare.sh
 #

@@ -1,8 +1,8 @@
 """The platform's GPU paths on real GPUs: serving, NCCL and IPC publishing, catch-up,
 tensor parallelism, a trainer killed mid-publish and publishing into 1, 2 and 3 replicas,
-with the numbers the README quotes.
+with the numbers docs/gpu.md quotes.
 
-Run by ``tests/gpu/check.sh`` on a lent machine with two GPUs (see the README, "Verified
+Run by ``tests/gpu/check.sh`` on a lent machine with two GPUs (see docs/gpu.md, "Verified
 on GPU"; the fleet check needs four, and skips saying so with fewer); skipped elsewhere.
 The models are the ones the script built: a ~1.5B-parameter bf16 Qwen2-shaped model
 (``rollout.modelbuild`` preset ``1.5b``) and a perturbed copy of it saved as a checkpoint.
