@@ -27,7 +27,7 @@ def imports(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from rollout.sync import net` imports the module rollout.sync.net.
+            # `from rollout.sync import net` imports the module rollout.contracts.net.
             found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names}
     return {m for m in found if m in known}
 
@@ -89,7 +89,7 @@ def test_no_function_in_the_sync_package_takes_more_than_five_positional_paramet
 # The layers, lowest first. A module may import its own layer and the ones below it, never
 # one above: the README's "How it is built" explains each. A pattern ending in ".*" holds a
 # package's modules; the longest pattern that matches a module places it, so a package can
-# keep its torch-free contract (``rollout.sync.protocol``) below config while its services
+# keep its torch-free contract (``rollout.contracts.sync_protocol``) below config while its services
 # (``rollout.sync.coordinator``) sit above it. Every module must be placed.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Types and errors every layer speaks; no I/O, no torch, no Ray.
@@ -97,8 +97,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "contracts",
         (
             "rollout", "rollout.errors", "rollout.wire_errors", "rollout.processes", "rollout.api", "rollout.logs", "rollout.episodes", "rollout.batching",
-            "rollout.stats_summary", "rollout.readme_section", "rollout.engine", "rollout.engine.load", "rollout.sync.protocol",
-            "rollout.sync.version", "rollout.sync.net", "rollout.sync.backends", "rollout.sync.backends.base",
+            "rollout.stats_summary", "rollout.readme_section", "rollout.engine", "rollout.contracts.load", "rollout.contracts.sync_protocol",
+            "rollout.contracts.version", "rollout.contracts.net", "rollout.sync.backends", "rollout.contracts.backend",
         ),
     ),
     # Functions requests name (rewards, tools): config checks names against them.

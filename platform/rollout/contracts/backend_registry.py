@@ -1,6 +1,7 @@
 """The weight-sync backends, by name: a registry in the shape of vLLM's
-``WeightTransferEngineFactory``. Each backend is one module (``gloo``, ``nccl``, ``ipc``; their delta forms ``gloo_delta``, ``sparse_nccl``)
-holding its :class:`~rollout.sync.backends.base.SyncBackend`, its trainer-side sender and
+``WeightTransferEngineFactory``. Each backend is one module of :mod:`rollout.sync.backends`
+(``gloo``, ``nccl``, ``ipc``; their delta forms ``gloo_delta``, ``sparse_nccl``)
+holding its :class:`~rollout.contracts.backend.SyncBackend`, its trainer-side sender and
 what its sender offers; adding one is one new file plus one entry here (or
 :func:`register_backend`). Everything else reads what the backend declares: its init info,
 whether the coordinator keeps a copy (a ``CopySender``), its vLLM engines of its own
@@ -8,7 +9,9 @@ whether the coordinator keeps a copy (a ``CopySender``), its vLLM engines of its
 whose replicas receive with an engine of its own adds that engine's files too (``gloo``:
 ``gloo_worker`` and ``gloo_trainer``, on ``gloo_group`` and ``gloo_stream``).
 
-Backends load on first use, so config and the ingress read the names without torch.
+Backends load on first use, so config and the ingress read the names without torch. The
+registry names its backends by ``"module:class"`` (as an entry point does) and imports none:
+it is a contract, below the services that implement it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rollout.sync.backends.base import Sender, SyncBackend
+    from rollout.contracts.backend import Sender, SyncBackend
 
 # name -> "module:class"
 _REGISTRY: dict[str, str] = {
