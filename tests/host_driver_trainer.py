@@ -47,7 +47,8 @@ def main() -> None:
         import psutil
         import ray
 
-        from rollout.sync import WeightPublisher, net
+        from rollout.contracts import net
+        from rollout.sync import WeightPublisher
 
         t0 = time.monotonic()
         state["publisher"] = WeightPublisher.connect(app_name="rollout", backend="gloo")

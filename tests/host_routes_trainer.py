@@ -91,7 +91,8 @@ def main() -> None:
 
     from rollout.api import RolloutRequest, SamplingConfig
     from rollout.client import RolloutClient
-    from rollout.sync import WeightPublisher, net
+    from rollout.contracts import net
+    from rollout.sync import WeightPublisher
     from rollout.sync.remote import HttpCoordinator
 
     checkpoint = {}

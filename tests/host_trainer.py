@@ -111,7 +111,8 @@ def driver(model_dir: str, seed: int, stuck_s: float) -> dict:
 
     faulthandler.dump_traceback_later(stuck_s, exit=True)
 
-    from rollout.sync import WeightPublisher, net
+    from rollout.contracts import net
+    from rollout.sync import WeightPublisher
 
     tensors = weights(load_checkpoint(model_dir), seed)
     t0 = time.monotonic()
@@ -143,7 +144,8 @@ def main() -> None:
     import httpx
 
     from rollout.client import RolloutClient
-    from rollout.sync import WeightPublisher, net
+    from rollout.contracts import net
+    from rollout.sync import WeightPublisher
 
     files = load_checkpoint(model_dir)
     client = RolloutClient.http(url, api_key=api_key)

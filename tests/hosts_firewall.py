@@ -23,7 +23,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Union
 
-from rollout.sync.net import EPHEMERAL_SYSCTL, PortRange
+from rollout.contracts.net import EPHEMERAL_SYSCTL, PortRange
 from tests.hosts import Host
 
 TABLE = "rollout_ports"

@@ -191,7 +191,7 @@ async def first_pause(model_dir, prefix_cache: str, pause_mode: str = "keep", in
     ],
 )
 async def test_an_update_flushes_only_where_salts_cannot_keep_old_kv_from_serving(model_dir, monkeypatch, prefix_cache, pause_mode, in_flight, flushed):
-    from rollout.sync.protocol import ReloadRound
+    from rollout.contracts.sync_protocol import ReloadRound
 
     monkeypatch.setattr(ReloadRound, "pause_mode", property(lambda self: pause_mode))
     assert await first_pause(model_dir, prefix_cache, pause_mode, in_flight) == (pause_mode, flushed)

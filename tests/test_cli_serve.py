@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from rollout.api import RolloutRequest, SamplingConfig
-from rollout.sync.net import free_port
+from rollout.contracts.net import free_port
 from rollout.processes import end
 
 # A compiled engine's start (this module's only one) beside the other lane on 2 cores: in a

@@ -8,9 +8,9 @@ import inspect
 
 import pytest
 
+from rollout.contracts.sync_protocol import Control, CoordinatorUnreachableError, FleetQuery, SyncError
 from rollout.errors import AuthenticationError
 from rollout.sync.coordinator_client import BlockingCoordinatorHandle, CoordinatorHandle
-from rollout.sync.protocol import Control, CoordinatorUnreachableError, FleetQuery, SyncError
 
 
 def public_async_methods(cls: type) -> dict[str, inspect.Signature]:

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from rollout.bench import coordinator_scale, report
+from rollout.contracts.sync_protocol import ParamSpec, PushRound, RoundRequest
 from rollout.sync.coordinator import WeightSyncCoordinator
-from rollout.sync.protocol import ParamSpec, PushRound, RoundRequest
 
 SYNC = Path(coordinator_scale.__file__).resolve().parents[1] / "sync"
 

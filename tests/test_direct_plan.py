@@ -267,7 +267,7 @@ def test_the_engine_goes_direct_only_for_a_packed_unquantized_single_gpu_cuda_mo
 def test_the_nccl_backend_names_our_engine_and_the_plugin_registers_it_beside_vllms():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from rollout.sync.backends import get_backend
+    from rollout.contracts.backend_registry import get_backend
     from rollout.sync.backends.nccl_worker import DirectNcclWeightTransferEngine
     from rollout.sync.vllm_plugin import register
 

@@ -152,7 +152,7 @@ async def test_stats_report_engine_state_and_weight_version(handle_client, platf
 
 
 async def test_stats_over_http_are_one_replicas_load_as_over_a_handle(http_client, handle_client, base_url, platform):
-    from rollout.engine.load import ReplicaLoad
+    from rollout.contracts.load import ReplicaLoad
 
     await http_client.generate([greedy([1, 2, 3], max_tokens=2)])  # a prompt looked up in the prefix cache
     over_http, over_handle = await http_client.stats(), await handle_client.stats()

@@ -112,7 +112,7 @@ class Cluster:
 def served(results: list[dict], version: int) -> tuple[list[list[int]], set[str]]:
     """The tokens each prompt got (the same from every replica and every round: greedy),
     checking that every token came from ``version``; and the replicas that served."""
-    from rollout.sync.version import INITIAL_VERSION_LABEL
+    from rollout.contracts.version import INITIAL_VERSION_LABEL
 
     label = str(version) if version else INITIAL_VERSION_LABEL
     by_prompt: dict[int, list[int]] = {}

@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from rollout.sync.net import PortRange
+from rollout.contracts.net import PortRange
 from tests import hosts_firewall as fw
 from tests.engines import TEST_MODEL
 from tests.hosts import HEAD_ADDRESS, HTTP_PORT, ROOT, TRAINER_ADDRESS, CannotMakeHosts, Host, Hosts, _ip, made
@@ -376,7 +376,7 @@ def route_session_main(url: str, token: str, model_dir: str, seed: int) -> None:
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    from rollout.sync import net
+    from rollout.contracts import net
     from rollout.sync.backends.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
     from rollout.sync.route_client import WeightRoutesClient
 

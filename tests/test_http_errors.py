@@ -92,8 +92,8 @@ def test_a_stream_that_breaks_after_it_started_is_not_turned_into_a_short_succes
 # ---- the one table (rollout.wire_errors): the ingress answers from it, clients read it back
 
 def platform_errors():
+    from rollout.contracts.sync_protocol import CoordinatorUnreachableError, DeltaBaseError, NoCommittedCopyError, SyncError
     from rollout.errors import AdapterNotFoundError, AuthenticationError, EpisodeLostError, ForbiddenError, NotServingError, ReplicaLostError
-    from rollout.sync.protocol import CoordinatorUnreachableError, DeltaBaseError, NoCommittedCopyError, SyncError
 
     # (raised by a route, status, error.type, what a client raises back)
     return [

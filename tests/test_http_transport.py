@@ -12,7 +12,7 @@ import pytest
 
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeTurn
 from rollout.client.http import HttpTransport
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 from rollout.errors import EngineUnavailableError, EpisodeLostError
 
 

@@ -108,8 +108,8 @@ async def test_a_publish_shows_the_committed_version_and_a_sync_duration_sample(
 
 
 async def test_every_dashboard_and_alert_expression_returns_data(prometheus, publisher, handle_client, model_dir, platform):
-    from rollout.sync.net import free_port as _free_port, own_address as _own_address
-    from rollout.sync.protocol import ParamSpec, RoundRequest
+    from rollout.contracts.net import free_port as _free_port, own_address as _own_address
+    from rollout.contracts.sync_protocol import ParamSpec, RoundRequest
 
     # Traffic for the rate() windows, and one failed round for the failure counter.
     await handle_client.generate([RolloutRequest(prompt="the policy model", n=4, sampling=SamplingConfig(max_tokens=16)) for _ in range(8)])

@@ -1,4 +1,4 @@
-"""NCCL's socket interface follows the advertised address (rollout.sync.net.pin_nccl_interface).
+"""NCCL's socket interface follows the advertised address (rollout.contracts.net.pin_nccl_interface).
 
 NCCL chooses its bootstrap interface itself (InfiniBand first, then any but loopback and
 docker), so a trainer whose first interface leads elsewhere would announce an address the
@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = r"""
 import json, os, sys
-from rollout.sync import net
+from rollout.contracts import net
 out = {}
 os.environ.pop(net.NCCL_IFNAME_ENV, None)
 out["second"] = net.pin_nccl_interface(net.Choice("10.231.9.1", "test"))

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from ray.serve._private.common import DeploymentID, ReplicaID
 
 from rollout.config import load_config
+from rollout.contracts.load import AUTOSCALING_METRICS, ReplicaLoad
 from rollout.engine.adapter import EngineAdapter
-from rollout.engine.load import AUTOSCALING_METRICS, ReplicaLoad
 from rollout.engine.replica import RolloutEngine
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.sync_gate import SyncGate

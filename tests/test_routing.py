@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 from rollout.routing.affinity import affinity_key, rank
 from rollout.scaling import engine_load_policy
 

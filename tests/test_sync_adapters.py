@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
+from rollout.contracts.sync_protocol import AdapterRequest, SyncError
 from rollout.errors import InvalidRequestError
 from rollout.sync.adapters import ServedAdapters, adapter_of, check_adapter, encode_tensors
 from rollout.sync.agent import SyncAgent
 from rollout.sync.checkpoint import checkpoint_spec
-from rollout.sync.protocol import AdapterRequest, SyncError
 from tests.inprocess import InProcess
 from tests.lora import demo_adapter
 
@@ -305,7 +305,7 @@ def test_a_peft_directory_is_read_as_a_publish_takes_it_and_anything_else_is_ref
 
 
 async def test_load_inplace_false_on_a_loaded_name_is_refused_as_vllm_refuses_it_and_true_publishes_the_next_version(model_dir):
-    from rollout.sync.protocol import LoadAdapter
+    from rollout.contracts.sync_protocol import LoadAdapter
 
     coordinator = coordinator_for(model_dir)
     async with replicas(coordinator, model_dir, "a", "b") as (a, b):
@@ -320,8 +320,8 @@ async def test_load_inplace_false_on_a_loaded_name_is_refused_as_vllm_refuses_it
 
 
 async def test_an_unload_stops_every_replica_serving_it_the_store_forgets_it_and_a_later_load_continues_its_versions(model_dir):
+    from rollout.contracts.sync_protocol import LoadAdapter, UnloadAdapter
     from rollout.errors import AdapterNotFoundError
-    from rollout.sync.protocol import LoadAdapter, UnloadAdapter
 
     coordinator = coordinator_for(model_dir)
     seen: list[tuple[str, object]] = []
@@ -354,7 +354,7 @@ async def test_an_unload_stops_every_replica_serving_it_the_store_forgets_it_and
 
 
 async def test_an_unload_that_a_replica_does_not_answer_aborts_and_every_replica_keeps_serving_it(model_dir):
-    from rollout.sync.protocol import UnloadAdapter
+    from rollout.contracts.sync_protocol import UnloadAdapter
 
     coordinator = coordinator_for(model_dir)
     coordinator.rounds.sync = coordinator.rounds.sync.model_copy(update={"timeout_s": 0.5})
@@ -384,9 +384,9 @@ async def restarted(coordinator, model_dir, agents: list[SyncAgent]):
 
 async def test_a_restarted_coordinator_learns_the_adapters_back_and_never_reuses_a_version(model_dir):
     from rollout.config import SyncConfig
+    from rollout.contracts.sync_protocol import UnloadAdapter
     from rollout.engine.sync_gate import SyncGate
     from rollout.errors import NotServingError
-    from rollout.sync.protocol import UnloadAdapter
 
     coordinator = coordinator_for(model_dir)
     async with replicas(coordinator, model_dir, "a", "b") as (a, b):
@@ -428,7 +428,7 @@ async def test_a_restarted_coordinator_learns_the_adapters_back_and_never_reuses
 
 
 async def test_a_restarted_coordinator_can_unload_a_learned_adapter(model_dir):
-    from rollout.sync.protocol import UnloadAdapter
+    from rollout.contracts.sync_protocol import UnloadAdapter
 
     coordinator = coordinator_for(model_dir)
     async with replicas(coordinator, model_dir, "a") as (a,):
@@ -440,7 +440,7 @@ async def test_a_restarted_coordinator_can_unload_a_learned_adapter(model_dir):
 
 
 def test_what_replicas_report_is_learned_whatever_order_they_register_in(model_dir):
-    from rollout.sync.protocol import HeldAdapter
+    from rollout.contracts.sync_protocol import HeldAdapter
     from rollout.sync.store import CommittedWeights
 
     reports = [
@@ -477,8 +477,8 @@ async def back(agent: SyncAgent, want: dict[str, int]) -> None:
 
 async def test_a_replica_that_missed_an_unload_unloads_it_when_it_registers_again(model_dir, caplog):
     from rollout.config import SyncConfig
+    from rollout.contracts.sync_protocol import HeldAdapter, UnloadAdapter
     from rollout.engine.sync_gate import SyncGate
-    from rollout.sync.protocol import HeldAdapter, UnloadAdapter
 
     coordinator = coordinator_for(model_dir)
     async with replicas(coordinator, model_dir, "a", "b") as (a, b):

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from rollout.contracts.sync_protocol import FinishUpdate, FleetQuery, OpenSession, Pause, RoundRequest, Update
 from rollout.errors import StaleWeightsError
 from rollout.sync.agent import SyncAgent
-from rollout.sync.protocol import FinishUpdate, FleetQuery, OpenSession, Pause, RoundRequest, Update
 from tests.inprocess import InProcess, RecordingEngine
 
 
@@ -297,7 +297,7 @@ async def test_with_no_copy_to_restore_from_a_replica_waits_paused_for_the_next_
 async def test_a_replica_that_cannot_reach_the_rendezvous_fails_the_round_in_seconds_and_keeps_serving_its_version(model_dir, monkeypatch):
     """Before: the engine's join waited out the store's timeout (the whole deadline) and
     failed with "did not finish join within 60s", naming no address."""
-    from rollout.sync import net
+    from rollout.contracts import net
     from rollout.sync.checkpoint import checkpoint_spec
     from rollout.sync.coordinator import WeightSyncCoordinator
 

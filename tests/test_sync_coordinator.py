@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from rollout.sync.backends import get_backend
+from rollout.contracts.backend_registry import get_backend
+from rollout.contracts.sync_protocol import RESTORE_ROUNDS, ParamSpec, RoundRequest
 from rollout.sync.coordinator import WeightSyncCoordinator
-from rollout.sync.protocol import RESTORE_ROUNDS, ParamSpec, RoundRequest
 
 SPECS = [ParamSpec("w", "float32", (2, 2))]
 
@@ -130,7 +130,7 @@ def test_where_the_weight_copy_goes_travels_over_http_and_a_group_without_a_port
 
 
 def test_ipc_handles_never_travel_over_http():
-    from rollout.sync.protocol import SyncError
+    from rollout.contracts.sync_protocol import SyncError
     from rollout.sync.remote import HttpCoordinator
 
     client = HttpCoordinator("http://127.0.0.1:9", None, 1.0)  # nothing listens: it must refuse before sending
@@ -139,7 +139,7 @@ def test_ipc_handles_never_travel_over_http():
 
 
 async def test_without_a_weight_copy_or_a_checkpoint_a_restore_fails_and_says_how_to_enable_one():
-    from rollout.sync.protocol import SyncError
+    from rollout.contracts.sync_protocol import SyncError
 
     c = coordinator()  # nccl: no keeper
     await c.register("a", 1, 0, SPECS)
@@ -149,7 +149,7 @@ async def test_without_a_weight_copy_or_a_checkpoint_a_restore_fails_and_says_ho
 
 
 async def test_a_committed_checkpoint_is_what_restores_reload_until_a_publish_without_one_replaces_it():
-    from rollout.sync.protocol import SyncError
+    from rollout.contracts.sync_protocol import SyncError
 
     c = coordinator()
     await c.register("a", 1, 0, SPECS)
@@ -300,7 +300,7 @@ async def test_a_member_failing_otherwise_leaves_no_unreachable_address_in_the_o
 async def test_the_coordinators_copy_cannot_reach_the_publisher_either_the_round_fails_in_seconds(tmp_path, monkeypatch):
     """gloo, a publisher that offers no separate copy group: the keeper is a rank of the
     round, and probes the rendezvous like the replicas do."""
-    from rollout.sync import net
+    from rollout.contracts import net
 
     monkeypatch.setattr(net, "PROBE_S", 0.3)
     c = WeightSyncCoordinator({"model": {"path": str(tmp_path)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 20, "require_token": False}}, "gloo")
@@ -317,7 +317,7 @@ async def test_the_coordinators_copy_cannot_reach_the_publisher_either_the_round
 
 
 def _free_port() -> int:
-    from rollout.sync.net import free_port
+    from rollout.contracts.net import free_port
 
     return free_port()
 

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rollout.contracts.backend_registry import get_backend, make_sender
+from rollout.contracts.sync_protocol import DeltaBaseError, Member, ParamSpec, PushRound, RoundRequest, Transfer
 from rollout.sync import delta, digest
-from rollout.sync.backends import get_backend, make_sender
-from rollout.sync.protocol import DeltaBaseError, Member, ParamSpec, PushRound, RoundRequest, Transfer
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -151,8 +151,8 @@ def run_round(sender, eng, keeper, plan: PushRound, tensors, digest_path: str) -
 
 @pytest.mark.parametrize("fraction", [0.01, 0.10])
 def test_a_gloo_delta_round_leaves_the_engine_and_the_copy_with_the_new_weights_and_digests_of_them(model_dir, tmp_path, fraction):
+    from rollout.contracts.net import free_port
     from rollout.sync.keeper import WeightKeeper
-    from rollout.sync.net import free_port
 
     base = demo_weights(model_dir)
     new = changed(base, fraction, seed=1)
@@ -228,10 +228,10 @@ async def test_the_coordinator_refuses_a_delta_onto_another_version_before_any_r
 
 
 async def test_the_coordinator_refuses_a_delta_onto_the_committed_version_but_other_bytes_and_counts_that_do_not_fit(tmp_path):
+    from rollout.contracts.net import free_port
     from rollout.errors import InvalidRequestError
     from rollout.sync.backends.gloo_delta import GlooDelta
     from rollout.sync.coordinator import WeightSyncCoordinator
-    from rollout.sync.net import free_port
 
     c = WeightSyncCoordinator({"model": {"path": str(tmp_path)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, "require_token": False}}, "gloo_delta")
     specs = (ParamSpec("w", "float32", (2, 2)),)
@@ -514,10 +514,10 @@ _SPARSE_QWEN2 = textwrap.dedent(
     """
     import json, sys, torch
     from safetensors.torch import load_file
-    from rollout.sync.backends import get_backend
+    from rollout.contracts.backend_registry import get_backend
+    from rollout.contracts.sync_protocol import ParamSpec
     from rollout.sync.backends.sparse_nccl import broadcast_patches, patches_for
     from rollout.sync.backends.sparse_nccl_worker import DenseOrSparseUpdateInfo, apply_patches, receive
-    from rollout.sync.protocol import ParamSpec
     from tests.test_sync_delta import RecordingGroup
     from tests.vllm_cpu_qwen2 import qwen2_on_cpu
 

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import torch
 
+from rollout.contracts.sync_protocol import ParamSpec, RoundRequest
 from rollout.sync import digest
 from rollout.sync.backends.gloo_stream import SentDigests
 from rollout.sync.coordinator import WeightSyncCoordinator
-from rollout.sync.protocol import ParamSpec, RoundRequest
 from rollout.sync.wire import pack, plan_buckets, unpack
 
 SPECS = [ParamSpec("w", "float32", (2, 2)), ParamSpec("b", "bfloat16", (3,))]

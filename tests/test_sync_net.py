@@ -1,4 +1,4 @@
-"""Which address a process advertises for a transfer group (rollout.sync.net), and the
+"""Which address a process advertises for a transfer group (rollout.contracts.net), and the
 probe that tells a replica in seconds that it cannot reach one. The choice across real
 hosts (network namespaces) is in test_hosts_e2e.py."""
 
@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from rollout.sync import net
+from rollout.contracts import net
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.sync.backends import get_backend, make_sender
-from rollout.sync.protocol import ParamSpec, PushRound, Transfer
+from rollout.contracts.backend_registry import get_backend, make_sender
+from rollout.contracts.sync_protocol import ParamSpec, PushRound, Transfer
 from rollout.sync.rules import assign_ranks
 from rollout.sync.wire import bucket_bytes_of, pack, plan_buckets, unpack
 
@@ -27,7 +27,7 @@ def test_each_kind_of_round_is_its_own_type_and_contradictory_plans_cannot_be_bu
     import pickle
     from dataclasses import replace
 
-    from rollout.sync.protocol import CopyGroup, Member, PullRound, ReloadRound
+    from rollout.contracts.sync_protocol import CopyGroup, Member, PullRound, ReloadRound
     from rollout.sync.remote import PLAN
 
     push = plan("gloo")
@@ -88,9 +88,9 @@ def test_packed_buckets_round_trip_every_tensor():
 def test_pipelined_buckets_arrive_intact_at_every_receiver_and_a_kept_group_serves_the_next_round():
     import threading
 
+    from rollout.contracts.net import free_port as _free_port
     from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
     from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
-    from rollout.sync.net import free_port as _free_port
 
     specs_tensors = {f"t{i}": torch.randn(i + 3, 5) for i in range(7)}
     specs = [ParamSpec.of(n, t) for n, t in specs_tensors.items()]
@@ -124,9 +124,9 @@ def test_a_group_of_the_same_name_at_a_new_rendezvous_is_joined_anew():
     one (they used to keep the old one by name, and the trainer's rendezvous timed out)."""
     import threading
 
+    from rollout.contracts.net import free_port as _free_port
     from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
     from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
-    from rollout.sync.net import free_port as _free_port
 
     specs_tensors = {f"t{i}": torch.randn(i + 3, 5) for i in range(3)}
     specs = [ParamSpec.of(n, t) for n, t in specs_tensors.items()]

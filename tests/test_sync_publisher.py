@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
+from rollout.contracts.backend import CopyOffer, CopySender
 from rollout.sync import SyncError, WeightPublisher
-from rollout.sync.backends.base import CopyOffer, CopySender
 
 
 class RecordingCoordinator:
@@ -95,7 +95,7 @@ class AbortingCoordinator:
         return {"backend": "gloo", "recent_rounds": rounds}
 
     def begin_round(self, token, request):
-        from rollout.sync.protocol import Member, PushRound, Transfer
+        from rollout.contracts.sync_protocol import Member, PushRound, Transfer
 
         self.request = request
         r = request
@@ -105,7 +105,7 @@ class AbortingCoordinator:
         )
 
     def finish(self, token, round_id, error, timeout_s=None):
-        from rollout.sync.protocol import RoundOutcome
+        from rollout.contracts.sync_protocol import RoundOutcome
 
         self.finished_with = error
         where = f"{self.request.master_address}:{self.request.master_port}"
@@ -115,8 +115,8 @@ class AbortingCoordinator:
 def test_a_publish_the_replicas_cannot_reach_fails_in_seconds_naming_the_address_and_the_setting(monkeypatch):
     import time
 
+    from rollout.contracts.sync_protocol import PublisherUnreachableError
     import rollout.sync.publisher as publisher_module
-    from rollout.sync.protocol import PublisherUnreachableError
 
     monkeypatch.setenv("ROLLOUT_PUBLISHER_ADDRESS", "10.231.2.1")
     monkeypatch.setattr(publisher_module.net, "is_local", lambda address: address == "10.231.2.1")  # this host's other interface
@@ -141,9 +141,9 @@ def test_a_publish_the_replicas_cannot_reach_fails_in_seconds_naming_the_address
 
 
 def test_without_the_setting_a_publisher_names_how_it_chose_the_address(monkeypatch):
+    from rollout.contracts import net
+    from rollout.contracts.sync_protocol import PublisherUnreachableError
     import rollout.sync.publisher as publisher_module
-    from rollout.sync import net
-    from rollout.sync.protocol import PublisherUnreachableError
 
     monkeypatch.delenv("ROLLOUT_PUBLISHER_ADDRESS", raising=False)
     monkeypatch.delenv(net.NODE_ADDRESS_ENV, raising=False)
@@ -204,8 +204,8 @@ def test_a_coordinator_out_of_reach_mid_round_is_a_typed_error_within_the_rounds
     import threading
     import time
 
+    from rollout.contracts.sync_protocol import CoordinatorUnreachableError, Member, PushRound, Transfer
     import rollout.sync.publisher as publisher_module
-    from rollout.sync.protocol import CoordinatorUnreachableError, Member, PushRound, Transfer
     from rollout.sync.remote import HttpCoordinator
 
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
@@ -293,7 +293,7 @@ def nccl_without_cuda(monkeypatch):
 
 
 def nccl_plan(round_id: str, group_name: str = "", port: int = 29500, world_size: int = 2):
-    from rollout.sync.protocol import Member, ParamSpec, PushRound, Transfer
+    from rollout.contracts.sync_protocol import Member, ParamSpec, PushRound, Transfer
 
     return PushRound(
         round_id=round_id, version=1, backend="nccl", transfer=Transfer("127.0.0.1", port, world_size, group_name), members=(Member("a", 1, 1),),

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from rollout.contracts.sync_protocol import Control, FinishUpdate, FleetQuery, OpenSession, ParamSpec, Pause, SessionPlan, SessionRound, SyncError, Update
 from rollout.errors import InvalidRequestError
-from rollout.sync.protocol import Control, FinishUpdate, FleetQuery, OpenSession, ParamSpec, Pause, SessionPlan, SessionRound, SyncError, Update
 from rollout.sync.sessions import parse_update_info, parse_version
 from tests.test_sync_coordinator import SPECS, coordinator
 

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from rollout import wire_errors
+from rollout.contracts.sync_protocol import SyncError
 from rollout.errors import InvalidRequestError
 from rollout.sync import storage
-from rollout.sync.protocol import SyncError
 from rollout.sync.storage import INDEX_NAME, MANIFEST_NAME, CheckpointError, verify_checkpoint, write_checkpoint
 from tests.inprocess import InProcess, RecordingEngine
 
@@ -294,10 +294,10 @@ async def settled(*agents, timeout_s: float = 5.0) -> None:
 async def test_a_storage_publish_is_verified_by_every_replica_before_it_reloads_and_a_corrupted_one_loads_nowhere(model_dir, tmp_path):
     import asyncio as aio
 
+    from rollout.contracts.sync_protocol import StorageRequest
     from rollout.sync.agent import SyncAgent
     from rollout.sync.checkpoint import checkpoint_spec
     from rollout.sync.coordinator import WeightSyncCoordinator
-    from rollout.sync.protocol import StorageRequest
     from rollout.sync.publisher import WeightPublisher
 
     good = checkpoint_of(model_dir, tmp_path / "policy-v1")
@@ -368,9 +368,9 @@ async def test_a_storage_publish_is_verified_by_every_replica_before_it_reloads_
 
 
 async def test_a_storage_publish_is_checked_like_any_publish_and_forgets_the_kept_transfer_group(model_dir):
+    from rollout.contracts.sync_protocol import RoundRequest, StorageRequest
     from rollout.sync.checkpoint import checkpoint_spec
     from rollout.sync.coordinator import WeightSyncCoordinator
-    from rollout.sync.protocol import RoundRequest, StorageRequest
 
     coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 1, "require_token": False}}, "nccl")
     specs = tuple(checkpoint_spec(model_dir))
@@ -408,8 +408,8 @@ async def test_a_storage_publish_is_checked_like_any_publish_and_forgets_the_kep
 def test_a_storage_round_travels_over_http_as_it_was_asked_and_the_schema_documents_its_route():
     from pydantic import ValidationError
 
+    from rollout.contracts.sync_protocol import ParamSpec, StorageRequest
     from rollout.http.ingress import app
-    from rollout.sync.protocol import ParamSpec, StorageRequest
     from rollout.sync.remote import StorageRoundBody
 
     request = StorageRequest("/shared/v7", "ab" * 32, (ParamSpec("w", "float32", (2, 3)),), version=7)

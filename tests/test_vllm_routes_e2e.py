@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from rollout.sync.net import free_port, own_address
+from rollout.contracts.net import free_port, own_address
 from tests.conftest import API_KEY, SYNC_TOKEN
 from tests.test_weight_sync_e2e import PROMPTS, assert_every_replica_serves, greedy
 

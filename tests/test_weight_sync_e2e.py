@@ -233,8 +233,8 @@ async def test_a_trainer_that_never_sends_ends_the_round_with_an_error_and_the_n
     publisher, platform, handle_client, policy_v1
 ):
     """The trainer opens a round and dies before sending: the replicas' receive times out."""
-    from rollout.sync.net import free_port as _free_port, own_address as _own_address
-    from rollout.sync.protocol import ParamSpec, RoundRequest
+    from rollout.contracts.net import free_port as _free_port, own_address as _own_address
+    from rollout.contracts.sync_protocol import ParamSpec, RoundRequest
 
     model, _ = policy_v1
     status = await asyncio.to_thread(publisher.status)
@@ -256,10 +256,10 @@ TRAINER_THAT_DIES = r"""
 import os, sys, torch, ray
 from ray import serve
 from transformers import AutoModelForCausalLM
-from rollout.sync.protocol import COORDINATOR_NAME
+from rollout.contracts.net import free_port as _free_port, own_address as _own_address
+from rollout.contracts.sync_protocol import COORDINATOR_NAME
+from rollout.contracts.sync_protocol import ParamSpec, RoundRequest
 from rollout.sync.backends.gloo_group import GlooGroup, Rendezvous
-from rollout.sync.net import free_port as _free_port, own_address as _own_address
-from rollout.sync.protocol import ParamSpec, RoundRequest
 from rollout.sync.wire import pack, plan_buckets
 
 ray.init(address=os.environ["RAY_ADDRESS"], namespace="rollout-tests", log_to_driver=False)
@@ -354,8 +354,8 @@ async def test_a_replica_added_later_serves_the_committed_version_before_its_fir
 async def test_a_rank_that_never_joins_ends_the_round_within_the_deadline_and_it_drops_out(
     publisher, platform, handle_client, policy_v1
 ):
-    from rollout.sync.protocol import COORDINATOR_NAME
-    from rollout.sync.protocol import ParamSpec
+    from rollout.contracts.sync_protocol import COORDINATOR_NAME
+    from rollout.contracts.sync_protocol import ParamSpec
 
     from ray import serve
 
@@ -545,8 +545,8 @@ async def test_a_checkpoint_published_through_shared_storage_is_what_every_repli
     """A trainer with no network path to the engines (rollout.sync.storage): it writes a
     checkpoint, manifest last, and publishes its path over HTTP; every replica verifies
     it against the manifest, then reloads it itself. Nothing travels between them."""
+    from rollout.contracts.sync_protocol import StorageRequest
     from rollout.sync.checkpoint import checkpoint_spec
-    from rollout.sync.protocol import StorageRequest
     from rollout.sync.remote import HttpCoordinator
     from rollout.sync.storage import CheckpointError, manifest_id, read_manifest, write_checkpoint
     from tests.conftest import API_KEY

@@ -167,9 +167,9 @@ def build_application(cfg: PlatformConfig) -> Application:
     config = replica_args(cfg)
     coordinator, backend = None, None
     if cfg.sync.enabled:
-        from rollout.sync.backends import resolve_backend
+        from rollout.contracts.backend_registry import resolve_backend
+        from rollout.contracts.sync_protocol import COORDINATOR_NAME
         from rollout.sync.coordinator import WeightSyncCoordinator
-        from rollout.sync.protocol import COORDINATOR_NAME
 
         backend = resolve_backend(cfg.sync.backend, device)
         coordinator = serve.deployment(WeightSyncCoordinator).options(

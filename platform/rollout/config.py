@@ -2,7 +2,7 @@
 
 Every knob of the platform is a documented, range-checked field of
 :class:`PlatformConfig`. The same models feed the CLI (``rollout serve --config``),
-the Serve application (``rollout.app:build``), the README's configuration reference
+the Serve application (``rollout.app:build``), the configuration reference (docs/configuration.md)
 and, later, the Helm chart's ``values.schema.json``; nothing is configured anywhere else.
 
 A config file is YAML; the smallest one names only the model::
@@ -26,9 +26,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.api import RewardSpec
-from rollout.sync.backends import AUTO, backend_names
-from rollout.sync.net import PortRange
-from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, SYNC_TOKEN_ENV, PauseMode
+from rollout.contracts.backend_registry import AUTO, backend_names
+from rollout.contracts.net import PortRange
+from rollout.contracts.sync_protocol import DEFAULT_BUCKET_BYTES, SYNC_TOKEN_ENV, PauseMode
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class MetricsConfig(_Section):
     port: int = Field(default=8080, ge=1, le=65535, description="Ray metrics-export port, 1..65535.")
 
 
-# The registry's backends (rollout.sync.backends), and ``auto``.
+# The registry's backends (rollout.contracts.backend_registry), and ``auto``.
 SyncBackendName = Literal[(AUTO, *backend_names())]
 
 

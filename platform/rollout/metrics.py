@@ -15,8 +15,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
-from rollout.engine.load import ReplicaLoad
-from rollout.sync.version import version_of
+from rollout.contracts.load import ReplicaLoad
+from rollout.contracts.version import version_of
 
 LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 SYNC_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]

@@ -3,7 +3,7 @@
 Serve's default policy counts ongoing *calls*; our calls carry batches, so a replica
 with one call of 256 requests looks idle to it. Replicas report their engine state
 (``record_autoscaling_stats``: running and waiting sequences, KV-cache usage, read
-back as :class:`rollout.engine.load.ReplicaLoad`) and this
+back as :class:`rollout.contracts.load.ReplicaLoad`) and this
 policy sizes the deployment so each replica carries ``target_ongoing_requests``
 sequences. Serve wraps custom policies with the configured bounds and the
 upscale/downscale delays, which are kept >= the look-back window so a steady load
@@ -16,7 +16,7 @@ import logging
 import math
 from typing import Any
 
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 
 logger = logging.getLogger("ray.serve")
 

@@ -14,11 +14,11 @@ from typing import Any, Optional
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 
 # The gauges a replica sets from its load (rollout.metrics.EngineMetrics.gauges), by the
 # ReplicaLoad field each one carries. The version gauge holds the policy version's
-# number; its decimal spelling is a label rollout.sync.version reads as that version.
+# number; its decimal spelling is a label rollout.contracts.version reads as that version.
 LOAD_GAUGES = (
     ("ray_rollout_engine_running", "running", int),
     ("ray_rollout_engine_waiting", "waiting", int),

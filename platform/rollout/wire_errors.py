@@ -9,7 +9,7 @@ coordinator client (decode) all read this table; none keeps a mapping of its own
 The body is always ``{"error": {"message": ..., "type": ..., "field": ...}}``
 (:class:`rollout.api.ErrorResponse`; ``field`` only for invalid requests).
 
-Bottom layer: imports only ``rollout.errors``, ``rollout.api`` and ``rollout.sync.protocol``.
+Bottom layer: imports only ``rollout.errors``, ``rollout.api`` and ``rollout.contracts.sync_protocol``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from rollout.api import ErrorResponse
+from rollout.contracts.sync_protocol import DeltaBaseError, SyncError
 from rollout.errors import (
     AdapterNotFoundError,
     AuthenticationError,
@@ -31,7 +32,6 @@ from rollout.errors import (
     RolloutError,
     StaleWeightsError,
 )
-from rollout.sync.protocol import DeltaBaseError, SyncError
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ def _run_engine(engine: str, weight_sets: list[dict[str, torch.Tensor]], bucket_
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-    from rollout.sync.net import free_port, own_address
+    from rollout.contracts.net import free_port, own_address
 
     replica = _replica_cls().options(runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}).remote()
     group = None
@@ -173,7 +173,7 @@ def _run_engine(engine: str, weight_sets: list[dict[str, torch.Tensor]], bucket_
 def test_our_direct_nccl_engine_receives_the_same_weights_faster_than_vllms(ray_up, record):
     from safetensors.torch import load_file
 
-    from rollout.sync.protocol import DEFAULT_BUCKET_BYTES
+    from rollout.contracts.sync_protocol import DEFAULT_BUCKET_BYTES
 
     if not (MODEL / "model.safetensors").exists():
         pytest.skip(f"no model at {MODEL}: run tests/gpu/check.sh models")

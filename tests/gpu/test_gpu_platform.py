@@ -590,8 +590,8 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(s
     import ray
     from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group, trainer_init
 
+    from rollout.contracts.net import free_port, own_address
     from rollout.sync import WeightPublisher
-    from rollout.sync.net import free_port, own_address
     from tests.gpu.engines import FloorReceiver, on_gpus
 
     app = stage.serving_app()
@@ -712,7 +712,7 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
-    from rollout.sync.net import free_port, own_address
+    from rollout.contracts.net import free_port, own_address
     from rollout.sync.route_client import WeightRoutesClient
 
     app = stage.serving_app()

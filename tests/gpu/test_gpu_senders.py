@@ -11,7 +11,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from rollout.sync.backends import make_sender
+from rollout.contracts.backend_registry import make_sender
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on one: torch only)")
 
@@ -70,9 +70,9 @@ def test_contiguous_gpu_parameters_are_shared_in_place_without_a_copy():
 def test_a_gpu_trainer_publishes_over_gloo_from_its_gpu_tensors():
     import threading
 
+    from rollout.contracts.sync_protocol import ParamSpec
     from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
     from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
-    from rollout.sync.protocol import ParamSpec
 
     params = {f"layer{i}.weight": torch.randn(64, 32 + i, device="cuda") for i in range(6)}
     specs = [ParamSpec.of(n, t) for n, t in params.items()]

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rollout.bench.machine import machine
-from rollout.sync.backends.base import CopyOffer, CopySender
+from rollout.contracts.backend import CopyOffer, CopySender
 from rollout.stats_summary import median_interval
 
 POPULATIONS = (10, 100, 1000)
@@ -233,7 +233,7 @@ class CoordinatorProcess:
         clients raise for a coordinator that does not answer in time."""
         import concurrent.futures
 
-        from rollout.sync.protocol import CoordinatorUnreachableError
+        from rollout.contracts.sync_protocol import CoordinatorUnreachableError
 
         future = asyncio.run_coroutine_threadsafe(self.call(method, *args), self.loop)
         try:
@@ -342,7 +342,7 @@ class _Link:
         return _Remote(self, method)
 
     async def call(self, method: str, *args: Any) -> Any:
-        from rollout.sync.protocol import RESTORE_ROUNDS, PullRound, PushRound, ReloadRound, SessionRound
+        from rollout.contracts.sync_protocol import RESTORE_ROUNDS, PullRound, PushRound, ReloadRound, SessionRound
 
         if self.stalled:
             await asyncio.Event().wait()

@@ -44,9 +44,9 @@ from rollout.app import deploy
 from rollout.bench.machine import machine
 from rollout.bench.scaling import CPU_KV_BLOCK_TOKENS, best_hit_rate, group_prompts, settled_prefix_counters
 from rollout.client import RolloutClient
+from rollout.contracts.net import free_port
 from rollout.local import cpu_config
 from rollout.sync import SyncError, WeightPublisher, digest
-from rollout.sync.net import free_port
 
 MODES = ("salt", "flush")
 EVENTS = ("commit", "same_weights", "aborted_round")

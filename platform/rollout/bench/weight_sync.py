@@ -41,14 +41,14 @@ import ray
 import torch
 
 from rollout.bench.machine import machine
+from rollout.contracts.net import free_port, own_address
+from rollout.contracts.sync_protocol import ParamSpec
 from rollout.local import cpu_config, local_platform
 from rollout.modelbuild import build_model, is_built
 from rollout.stats_summary import median_interval, paired_ratios
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, Rendezvous
 from rollout.sync import digest
 from rollout.sync.backends.gloo_stream import SentDigests, send_buckets
-from rollout.sync.net import free_port, own_address
-from rollout.sync.protocol import ParamSpec
 
 REPEATS = 3  # floor rounds
 ROUNDS = 15  # rounds of each compared path

@@ -21,7 +21,7 @@ from rollout.api import EpisodeStart, RolloutChunk, RolloutRequest, RolloutResul
 from rollout.client.episode import Episode
 from rollout.client.rollout_stream import RequestLike, RolloutStream
 from rollout.client.transport import DEFAULT_TIMEOUT_S, Transport
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 from rollout.errors import from_validation_error
 
 logger = logging.getLogger(__name__)

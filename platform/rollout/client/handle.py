@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, 
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
 from rollout.batching import fan_out
 from rollout.client.transport import DEFAULT_TIMEOUT_S
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 from rollout.engine.openai_app import ForwardedRequest
 from rollout.errors import EngineUnavailableError, NotServingError, ReplicaLostError, as_overloaded, replica_lost, unwrap_remote
 

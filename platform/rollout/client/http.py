@@ -7,7 +7,7 @@ from typing import AsyncIterator, Optional, Sequence
 import httpx
 
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 from rollout.errors import EngineUnavailableError, ReplicaLostError
 from rollout.wire_errors import decode
 

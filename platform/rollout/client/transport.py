@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol, Sequence
 
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 
 # How long a client waits for a call's answer (a stream: for its next chunk) before it
 # gives up with a retryable error; the same default over HTTP and over a Serve handle.

@@ -17,12 +17,12 @@ from typing import Any, AsyncIterator, Optional, Sequence
 
 from rollout.api import RolloutRequest, Sample
 from rollout.config import PlatformConfig
+from rollout.contracts.version import INITIAL_VERSION_LABEL
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits
 from rollout.episodes import render_initial
 from rollout.errors import EngineUnavailableError, InvalidRequestError
 from rollout.sync.adapters import ServedAdapter
-from rollout.sync.version import INITIAL_VERSION_LABEL
 from rollout.tools.calling import TurnPlan
 
 
@@ -274,13 +274,13 @@ def _prepare_weight_transfer(sync_backend: str) -> Any:
     (whose environment vLLM's engine processes inherit) for it."""
     from vllm.config import WeightTransferConfig
 
-    from rollout.sync import net
-    from rollout.sync.backends import get_backend
+    from rollout.contracts import net
+    from rollout.contracts.backend_registry import get_backend
     from rollout.sync.vllm_plugin import register
 
     register()  # this process resolves the backend name before vLLM loads plugins
     # vLLM's engine processes are not Ray workers: they learn the node's address
-    # from the environment, to bind their transfer groups to it (rollout.sync.net).
+    # from the environment, to bind their transfer groups to it (rollout.contracts.net).
     # First: a backend that pins an interface to that address (nccl) reads it.
     net.export_node_address()
     # What the backend's engine needs in the environment vLLM's engine processes inherit.

@@ -4,7 +4,7 @@ A call's requests are checked here before any engine work (how many per call, th
 limits, a reward that can run); the sync gate (:mod:`rollout.engine.sync_gate`) then
 decides *when* they may run. Requests are counted in flight through one context manager,
 :meth:`InFlight.counted`, around every path that serves them (a batch, a stream, an OpenAI
-route), so the count the load reports (:class:`rollout.engine.load.ReplicaLoad`) and the
+route), so the count the load reports (:class:`rollout.contracts.load.ReplicaLoad`) and the
 stuck check read cannot drift from a missed decrement. How requests ended is counted in
 the replica's metrics here too.
 

@@ -40,16 +40,16 @@ from rollout.api import (
     TurnResult,
 )
 from rollout.config import PlatformConfig
+from rollout.contracts.load import ReplicaLoad
+from rollout.contracts.version import version_of
 from rollout.engine.adapter import EngineAdapter, EpisodeTurnSampling
 from rollout.engine.admission import Admission, Prepared, coerce_as
-from rollout.engine.load import ReplicaLoad
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.sync_gate import SyncGate
 from rollout.errors import EngineUnavailableError, InvalidRequestError
 from rollout.logs import show_platform_logs
 from rollout.rewards import RewardScorer
 from rollout.sync.adapters import ServedAdapter
-from rollout.sync.version import version_of
 from rollout.tools.calling import TurnPlan
 
 logger = logging.getLogger(__name__)

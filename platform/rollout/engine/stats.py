@@ -11,7 +11,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 class SchedulerSnapshot:
     """Latest scheduler numbers plus cumulative prefix-cache counters, shared with the
-    replica, which reports them as its :class:`rollout.engine.load.ReplicaLoad`."""
+    replica, which reports them as its :class:`rollout.contracts.load.ReplicaLoad`."""
 
     def __init__(self, metrics: Optional[Any] = None) -> None:
         self._lock = threading.Lock()

@@ -15,15 +15,15 @@ from rollout import wire_errors as wire
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, EpisodeTurnBody, Trajectory, TurnResult, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest
 from rollout.client.handle import HandleTransport
 from rollout.config import PlatformConfig
+from rollout.contracts.load import ReplicaLoad
+from rollout.contracts.sync_protocol import SyncError
 from rollout.engine.deaths import EngineDeath, crash_loop
 from rollout.engine.deaths import read as read_deaths
-from rollout.engine.load import ReplicaLoad
 from rollout.errors import EngineUnavailableError, InvalidRequestError, RolloutError, loc_to_field
 from rollout.logs import show_platform_logs
 from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.sync.auth import SYNC_TOKEN_HEADER, AccessPolicy, Operation, SyncAuth
 from rollout.sync.coordinator_client import CoordinatorHandle
-from rollout.sync.protocol import SyncError
 from rollout.sync.remote import OUTCOME, PLAN, STORAGE_PLAN, AdapterBody, BeginRoundBody, FinishBody, StorageRoundBody
 
 logger = logging.getLogger(__name__)

@@ -26,12 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout import wire_errors as wire
 from rollout.api import NonNegativeInt
 from rollout.config import PlatformConfig
+from rollout.contracts.sync_protocol import AdapterRequest, FinishUpdate, FleetQuery, LoadAdapter, OpenSession, Pause, PauseMode, RouteCommand, RoundOutcome, SyncError, UnloadAdapter, Update
 from rollout.errors import ForbiddenError, InvalidRequestError
 from rollout.http.routes_app import REFUSED_ERRORS, SYNC_ERRORS, admit, app
 from rollout.sync.adapters import CONFIG_FILE, NAME, TENSORS_FILE, read_peft_directory
 from rollout.sync.auth import Operation
 from rollout.sync.coordinator_client import CoordinatorHandle
-from rollout.sync.protocol import AdapterRequest, FinishUpdate, FleetQuery, LoadAdapter, OpenSession, Pause, PauseMode, RouteCommand, RoundOutcome, SyncError, UnloadAdapter, Update
 from rollout.sync.sessions import parse_update_info
 
 REFUSED = (

@@ -8,7 +8,7 @@ than ``max_imbalance`` above the least-loaded one, the request goes to the least
 replica instead: a cache hit is not worth a queue.
 
 Loads are ``(running + waiting) / max_num_seqs`` from each replica's own report
-(:attr:`rollout.engine.load.ReplicaLoad.relative_load`). A replica without one has an
+(:attr:`rollout.contracts.load.ReplicaLoad.relative_load`). A replica without one has an
 *unknown* load (logged): it keeps its affinity keys, is never taken for the least-loaded
 one, and is ranked after the replicas that report.
 """
@@ -20,7 +20,7 @@ import json
 import logging
 from typing import Any, Optional, Sequence
 
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 
 logger = logging.getLogger(__name__)
 _logged_unknown: set[str] = set()

@@ -1,7 +1,7 @@
 """Ray Serve request router for the engine deployment: prefix and session affinity.
 
 Plugged in through Serve's request-router extension point (``RequestRouterConfig``).
-Replicas report their load (:class:`rollout.engine.load.ReplicaLoad`) through
+Replicas report their load (:class:`rollout.contracts.load.ReplicaLoad`) through
 ``record_routing_stats`` every ``deployment.routing.stats_period_s``; the decision itself
 is :func:`rollout.routing.affinity.rank`.
 """
@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from rollout.engine.load import ReplicaLoad
+from rollout.contracts.load import ReplicaLoad
 from rollout.episodes import replica_of
 from rollout.routing.affinity import affinity_key, rank
 

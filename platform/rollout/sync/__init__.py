@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.sync.protocol import CoordinatorUnreachableError, PublisherUnreachableError, SyncError
+from rollout.contracts.sync_protocol import CoordinatorUnreachableError, PublisherUnreachableError, SyncError
 
 __all__ = ["WeightPublisher", "SyncError", "PublisherUnreachableError", "CoordinatorUnreachableError"]
 

@@ -9,9 +9,9 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable, Optional
 
+from rollout.contracts.sync_protocol import AdapterRemovalRound, AdapterRound, RoundOutcome
 from rollout.sync.adapters import ServedAdapters
 from rollout.sync.clock import PhaseClock
-from rollout.sync.protocol import AdapterRemovalRound, AdapterRound, RoundOutcome
 
 logger = logging.getLogger("rollout.sync.agent")
 

@@ -4,7 +4,7 @@ adapters a replica serves.
 A trainer doing LoRA RL publishes PEFT's two files (``adapter_config.json`` and
 ``adapter_model.safetensors``), a few MB, never the base model. The coordinator checks them
 (:func:`check_adapter`) before any replica changes, names the adapter's next version and
-opens an :class:`~rollout.sync.protocol.AdapterRound`; every member stages it
+opens an :class:`~rollout.contracts.sync_protocol.AdapterRound`; every member stages it
 (:meth:`ServedAdapters.stage`: the files written to a private directory, then vLLM's
 ``add_lora`` under an id of that version's own) and reports. On a commit each member serves
 the new version under the adapter's name (:meth:`ServedAdapters.commit`); on an abort it
@@ -32,8 +32,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
+from rollout.contracts.sync_protocol import Adapter, AdapterRequest, HeldAdapter, ParamSpec
 from rollout.errors import InvalidRequestError
-from rollout.sync.protocol import Adapter, AdapterRequest, HeldAdapter, ParamSpec
 
 if TYPE_CHECKING:
     import torch

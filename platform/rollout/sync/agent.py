@@ -35,16 +35,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from rollout.errors import StaleWeightsError, unwrap_remote
-from rollout.sync import digest, net
-from rollout.sync.adapter_rounds import AdapterRounds
-from rollout.sync.adapters import ServedAdapters
-from rollout.sync.backends import get_backend
-from rollout.sync.backends.base import delta_base_of
-from rollout.sync.checkpoint import checkpoint_spec
-from rollout.sync.clock import PhaseClock
-from rollout.sync.coordinator_client import CoordinatorHandle
-from rollout.sync.protocol import (
+from rollout.contracts import net
+from rollout.contracts.backend import delta_base_of
+from rollout.contracts.backend_registry import get_backend
+from rollout.contracts.sync_protocol import (
     RESTORE_ROUNDS,
     AdapterRemovalRound,
     AdapterRound,
@@ -62,9 +56,16 @@ from rollout.sync.protocol import (
     SessionRound,
     StorageRound,
 )
+from rollout.contracts.version import version_of
+from rollout.errors import StaleWeightsError, unwrap_remote
+from rollout.sync import digest
+from rollout.sync.adapter_rounds import AdapterRounds
+from rollout.sync.adapters import ServedAdapters
+from rollout.sync.checkpoint import checkpoint_spec
+from rollout.sync.clock import PhaseClock
+from rollout.sync.coordinator_client import CoordinatorHandle
 from rollout.sync.salt import CacheSalts
 from rollout.sync.storage import verify_checkpoint
-from rollout.sync.version import version_of
 
 if TYPE_CHECKING:
     from rollout.config import SyncConfig
@@ -102,7 +103,7 @@ async def pause_for_update(engine: Any, mode: str, clear_cache: bool = True) -> 
 
 
 async def check_reachable(where: Optional[tuple[str, int]], timeout_s: float) -> None:
-    """Raise :class:`~rollout.sync.net.RendezvousUnreachable` unless the rendezvous at
+    """Raise :class:`~rollout.contracts.net.RendezvousUnreachable` unless the rendezvous at
     ``where`` (``(address, port)``; None where the backend has none, as ``ipc``) takes a
     connection within a few seconds."""
     if where is not None:

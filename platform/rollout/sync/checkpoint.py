@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout.sync.protocol import ParamSpec
+from rollout.contracts.sync_protocol import ParamSpec
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32", "U8": "uint8"}
 

@@ -23,10 +23,10 @@ import logging
 from typing import Any, Optional, Union
 
 from rollout.config import PlatformConfig
+from rollout.contracts.sync_protocol import REREGISTER, AdapterRemovalRound, AdapterRequest, AdapterRound, CommittedAdapters, Control, FinishUpdate, FleetQuery, HeldAdapter, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
 from rollout.sync.membership import Membership
-from rollout.sync.protocol import REREGISTER, AdapterRemovalRound, AdapterRequest, AdapterRound, CommittedAdapters, Control, FinishUpdate, FleetQuery, HeldAdapter, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.sync.rounds import Rounds
 from rollout.sync.sessions import RouteSessions
 from rollout.sync.store import CommittedWeights

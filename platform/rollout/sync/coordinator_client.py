@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from rollout.contracts.sync_protocol import Control, CoordinatorUnreachableError, SyncError
 from rollout.errors import unwrap_remote
-from rollout.sync.protocol import Control, CoordinatorUnreachableError, SyncError
 
 if TYPE_CHECKING:
-    from rollout.sync.protocol import AdapterRequest, CommittedAdapters, HeldAdapter, ParamSpec, PushRound, Reregister, Round, RoundOutcome, RoundRequest, RouteCommand, SessionPlan, StorageRequest, StorageRound
+    from rollout.contracts.sync_protocol import AdapterRequest, CommittedAdapters, HeldAdapter, ParamSpec, PushRound, Reregister, Round, RoundOutcome, RoundRequest, RouteCommand, SessionPlan, StorageRequest, StorageRound
 
     NextRound = Union[Round, SessionPlan, Control, Reregister, None]
 

@@ -18,7 +18,7 @@ the bytes of both, and the publisher reports it (``WeightPublisher.last_choice``
 A delta applies only onto exactly its base: it names the base's version and its combined
 digest (:func:`rollout.sync.digest.combine` of the publisher's per-tensor digests), the
 coordinator refuses one whose base is not the committed version, and every receiver
-refuses one whose base it does not hold (:class:`~rollout.sync.protocol.DeltaBaseError`).
+refuses one whose base it does not hold (:class:`~rollout.contracts.sync_protocol.DeltaBaseError`).
 
 Per-tensor counts (:data:`DENSE`, 0 = unchanged, k = k changed elements) describe a delta
 on the wire: both ends derive from them the same list of pieces (:func:`wire_specs`), so
@@ -32,9 +32,9 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from rollout.sync.backends.base import SendChoice
+from rollout.contracts.backend import SendChoice
+from rollout.contracts.sync_protocol import DeltaBaseError, ParamSpec
 from rollout.sync.backends.delta_info import DENSE  # a tensor's count when it travels whole
-from rollout.sync.protocol import DeltaBaseError, ParamSpec
 
 INDEX_SUFFIX = "#indices"
 VALUES_SUFFIX = "#values"

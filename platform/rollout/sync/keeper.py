@@ -20,11 +20,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from rollout.contracts.backend import delta_base_of
+from rollout.contracts.sync_protocol import DeltaBaseError, ParamSpec, PullRound, PushRound, SessionRound
 from rollout.sync import delta
-from rollout.sync.backends.base import delta_base_of
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, copy_rendezvous, rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets, send_buckets
-from rollout.sync.protocol import DeltaBaseError, ParamSpec, PullRound, PushRound, SessionRound
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rollout.sync.protocol import Control, NotRegisteredError, ParamSpec
+from rollout.contracts.sync_protocol import Control, NotRegisteredError, ParamSpec
 
 logger = logging.getLogger(__name__)
 

@@ -24,12 +24,10 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 
-from rollout.errors import InvalidRequestError
-from rollout.sync import net
-from rollout.sync.backends import make_sender
-from rollout.sync.adapters import config_json, encode_tensors
-from rollout.sync.backends.base import CopySender, SendChoice, Sender
-from rollout.sync.protocol import (
+from rollout.contracts import net
+from rollout.contracts.backend import CopySender, SendChoice, Sender
+from rollout.contracts.backend_registry import make_sender
+from rollout.contracts.sync_protocol import (
     COORDINATOR_NAME,
     AdapterRequest,
     SYNC_TOKEN_ENV,
@@ -44,6 +42,8 @@ from rollout.sync.protocol import (
     StorageRound,
     SyncError,
 )
+from rollout.errors import InvalidRequestError
+from rollout.sync.adapters import config_json, encode_tensors
 from rollout.sync.coordinator_client import BlockingCoordinatorHandle
 from rollout.sync.remote import CoordinatorClient, HttpCoordinator
 from rollout.sync.storage import checkpoint_params, manifest_id, verify_checkpoint
@@ -133,7 +133,7 @@ class WeightPublisher:
         self.last_phases: dict[str, float] = {}
         self.last_outcome: Optional[RoundOutcome] = None
         # How the last publish was sent: "delta" or "full", its bytes and the rule's reasoning
-        # (rollout.sync.backends.base.SendChoice); None where the backend always sends in full.
+        # (rollout.contracts.backend.SendChoice); None where the backend always sends in full.
         self.last_choice: Optional[SendChoice] = None
         # Whether the last round went over the transfer group kept from the round before
         # (the coordinator named it: no rendezvous, no engine init on the replicas).
@@ -177,11 +177,11 @@ class WeightPublisher:
 
         The replicas connect back to this process for the transfer itself, at the
         address of its interface that routes to ``base_url``'s host (see
-        :func:`rollout.sync.net.choose`); set ``ROLLOUT_PUBLISHER_ADDRESS`` to an address
+        :func:`rollout.contracts.net.choose`); set ``ROLLOUT_PUBLISHER_ADDRESS`` to an address
         of this host that they reach where that one is not. They connect to the port
         of the rendezvous (``ports``, default ``ROLLOUT_PUBLISHER_PORTS``, a ``"LOW-HIGH"``
         range a firewall can open) and to gloo's listeners, whose ports the kernel picks
-        from ``net.ipv4.ip_local_port_range`` (see the README's "Ports the sync uses").
+        from ``net.ipv4.ip_local_port_range`` (see docs/sync-ports.md).
         """
         return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token), ports=ports)
 

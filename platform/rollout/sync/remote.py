@@ -11,12 +11,12 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Protocol, Union,
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from rollout.api import NonNegativeInt, _integral
+from rollout.contracts.backend import TransferInfo
+from rollout.contracts.sync_protocol import AdapterRequest, CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, StorageRequest, StorageRound, SyncError
 from rollout.errors import InvalidRequestError, loc_to_field
 from rollout.sync.auth import SYNC_TOKEN_HEADER
-from rollout.sync.backends.base import TransferInfo
 from rollout.sync.backends.delta_info import DENSE, INT32_MAX, GlooDelta, SparseNcclDelta
 from rollout.sync.coordinator_client import BlockingCoordinatorHandle
-from rollout.sync.protocol import AdapterRequest, CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, StorageRequest, StorageRound, SyncError
 from rollout.wire_errors import decode
 
 PLAN = TypeAdapter(PushRound)  # begin_round's answer: a publish round
@@ -233,7 +233,7 @@ class FinishBody(BaseModel):
 class CoordinatorClient(Protocol):
     # The host the coordinator is reached at from outside the Ray cluster (the ingress's),
     # None from inside it: a publisher advertises the address of its interface that routes
-    # there (rollout.sync.net.choose).
+    # there (rollout.contracts.net.choose).
     host: Optional[str]
 
     # Every call raises CoordinatorUnreachableError when the coordinator does not answer

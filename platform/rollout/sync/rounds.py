@@ -21,13 +21,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 
-from rollout.errors import AdapterNotFoundError, InvalidRequestError
-from rollout.sync import digest as digests_
-from rollout.sync.backends import get_backend
-from rollout.sync.backends.base import delta_base_of
-from rollout.sync.membership import Membership
-from rollout.sync.adapters import adapter_of, check_adapter
-from rollout.sync.protocol import (
+from rollout.contracts.backend import delta_base_of
+from rollout.contracts.backend_registry import get_backend
+from rollout.contracts.sync_protocol import (
     RESTORE_ROUNDS,
     AdapterRemovalRound,
     AdapterRequest,
@@ -47,6 +43,10 @@ from rollout.sync.protocol import (
     SyncError,
     Transfer,
 )
+from rollout.errors import AdapterNotFoundError, InvalidRequestError
+from rollout.sync import digest as digests_
+from rollout.sync.membership import Membership
+from rollout.sync.adapters import adapter_of, check_adapter
 from rollout.sync.rules import assign_ranks, check_spec
 from rollout.sync.store import CommittedWeights
 

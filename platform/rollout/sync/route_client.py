@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from rollout.sync.protocol import SYNC_TOKEN_ENV
+from rollout.contracts.sync_protocol import SYNC_TOKEN_ENV
 from rollout.sync.remote import SYNC_TOKEN_HEADER
 
 

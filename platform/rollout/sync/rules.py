@@ -3,8 +3,8 @@ Shared by the coordinator's publish rounds and vLLM-route sessions."""
 
 from __future__ import annotations
 
+from rollout.contracts.sync_protocol import Member, ParamSpec
 from rollout.errors import InvalidRequestError
-from rollout.sync.protocol import Member, ParamSpec
 
 
 def assign_ranks(replicas: dict[str, int]) -> tuple[tuple[Member, ...], int]:

@@ -32,8 +32,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from rollout.contracts.sync_protocol import Control, ParamSpec, PauseMode, PullRound, PushRound, Round, SessionPlan, SessionRound, SyncError, Transfer
 from rollout.errors import InvalidRequestError
-from rollout.sync.protocol import Control, ParamSpec, PauseMode, PullRound, PushRound, Round, SessionPlan, SessionRound, SyncError, Transfer
 from rollout.sync.rounds import Rounds, RoundState
 from rollout.sync.rules import assign_ranks, check_spec
 

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Annotated, Iterable, Literal, Mapping, Optiona
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from rollout.contracts.sync_protocol import ParamSpec, SyncError
 from rollout.errors import InvalidRequestError, loc_to_field
 from rollout.sync.checkpoint import checkpoint_spec
-from rollout.sync.protocol import ParamSpec, SyncError
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,7 @@ the committed version:
   :class:`~rollout.sync.keeper.WeightKeeper`), which the coordinator sends;
 * else :class:`NoCommittedCopyError`: the next publish brings the weights.
 
-It also keeps every committed LoRA adapter (:class:`~rollout.sync.protocol.Adapter`, name ->
+It also keeps every committed LoRA adapter (:class:`~rollout.contracts.sync_protocol.Adapter`, name ->
 its newest committed version, bytes included: a few MB each), which a replica that starts
 later loads before its first request, until an unload removes it. Adapters have versions
 of their own: an adapter round leaves the base version as it is.
@@ -24,7 +24,7 @@ serves (and the versions an unload removed), so the next publish of a name conti
 the newest version any replica holds (each version's vLLM LoRA name, "math@2", keys the
 replicas' prefix caches: a reused number would serve another version's KV), and status lists
 them. It holds no bytes of a learned adapter: a replica that starts later cannot load it, and
-is told so (:class:`~rollout.sync.protocol.CommittedAdapters`): it serves the adapters it
+is told so (:class:`~rollout.contracts.sync_protocol.CommittedAdapters`): it serves the adapters it
 could load and refuses requests naming that one, retryably, until its next publish (see
 :meth:`~rollout.sync.adapters.ServedAdapters.unavailable`). Waiting for that publish
 instead would keep the replica from serving the base model and every other adapter for as
@@ -38,11 +38,11 @@ import logging
 import os
 from typing import Callable, Optional, Protocol, Union
 
+from rollout.contracts import net
+from rollout.contracts.backend_registry import get_backend
+from rollout.contracts.net import PortRange
+from rollout.contracts.sync_protocol import RESTORE_ROUNDS, Adapter, AdapterRemovalRound, CommittedAdapters, HeldAdapter, AdapterRound, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
 from rollout.errors import InvalidRequestError
-from rollout.sync import net
-from rollout.sync.backends import get_backend
-from rollout.sync.net import PortRange
-from rollout.sync.protocol import RESTORE_ROUNDS, Adapter, AdapterRemovalRound, CommittedAdapters, HeldAdapter, AdapterRound, Member, NoCommittedCopyError, PullRound, PushRound, ReloadRound, Round, SessionRound, StorageRound, Transfer
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from rollout.sync.backends import backend_names, get_backend
+    from rollout.contracts.backend_registry import backend_names, get_backend
 
     for name in backend_names():
         backend = get_backend(name)

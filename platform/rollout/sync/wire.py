@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from rollout.sync.protocol import ParamSpec
+from rollout.contracts.sync_protocol import ParamSpec
 
 
 def plan_buckets(specs: Sequence[ParamSpec], bucket_bytes: int) -> list[list[int]]:

@@ -33,7 +33,7 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 # Shared by every root tool worker on the node (containers that share a node but not this
-# directory must be given disjoint uid ranges: the README's threat model says so).
+# directory must be given disjoint uid ranges: docs/security.md's threat model says so).
 LEASE_DIR = "/run/rollout-python-uids"
 
 

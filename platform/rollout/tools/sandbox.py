@@ -1,6 +1,6 @@
 """The ``python`` tool's sandbox: the model's code behind kernel boundaries, one per call.
 
-Each call runs under bubblewrap (Debian's ``bubblewrap``; see the README's threat model
+Each call runs under bubblewrap (Debian's ``bubblewrap``; see docs/security.md's threat model
 for why that tool and which version) in new user, mount, PID, network, IPC and UTS
 namespaces:
 

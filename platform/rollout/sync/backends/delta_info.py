@@ -5,7 +5,7 @@ without loading the backends themselves.
 
 Each is checked on its own when made (``InvalidRequestError`` naming the field), and
 against the round's parameters by the coordinator before the round opens
-(:meth:`~rollout.sync.backends.base.TransferInfo.check_params`).
+(:meth:`~rollout.contracts.backend.TransferInfo.check_params`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from rollout.contracts.backend import TransferInfo
+from rollout.contracts.sync_protocol import ParamSpec
 from rollout.errors import InvalidRequestError
-from rollout.sync.backends.base import TransferInfo
-from rollout.sync.protocol import ParamSpec
 
 DENSE = -1  # a delta backend's count for a tensor that travels whole (rollout.sync.delta)
 INT32_MAX = 2**31 - 1  # vLLM's sparse engine indexes with int32

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from rollout.sync.backends.base import CopyOffer, CopySender, SyncBackend, TransferRound
+from rollout.contracts.backend import CopyOffer, CopySender, SyncBackend, TransferRound
+from rollout.contracts.net import PORTS_ENV, PortRange, free_port
+from rollout.contracts.sync_protocol import Member, PushRound
 from rollout.sync.backends.gloo_group import GlooGroup, GroupSlot, copy_rendezvous, rendezvous
 from rollout.sync.backends.gloo_stream import SentDigests, send_buckets, send_packed
-from rollout.sync.net import PORTS_ENV, PortRange, free_port
-from rollout.sync.protocol import Member, PushRound
 
 if TYPE_CHECKING:
     from rollout.sync.backends.gloo_worker import GlooInitInfo

@@ -27,13 +27,13 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from rollout.contracts.backend import TransferInfo, TransferRound
+from rollout.contracts.sync_protocol import PushRound
 from rollout.sync import delta, digest
-from rollout.sync.backends.base import TransferInfo, TransferRound
 from rollout.sync.backends.gloo import GlooBackend, GlooSender
 from rollout.sync.backends.gloo_group import GlooGroup, copy_rendezvous, rendezvous
 from rollout.sync.backends.gloo_stream import SentDigests, send_buckets
 from rollout.sync.backends.delta_info import GlooDelta  # torch-free: the ingress types it too
-from rollout.sync.protocol import PushRound
 from rollout.sync.wire import plan_buckets, unpack
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The engine keeps what the model holds in checkpoint layout (a full round's received
 buffers; after a delta, patched copies of the tensors it changed): the base a delta is
-checked against, by digest (:class:`~rollout.sync.protocol.DeltaBaseError` before anything
+checked against, by digest (:class:`~rollout.contracts.sync_protocol.DeltaBaseError` before anything
 loads where it is not exactly the delta's base), and what the replica digests after a
 delta, the full tensors it now holds, so the coordinator compares them with the
 publisher's digests of the full new tensors.
@@ -26,10 +26,10 @@ from typing import Optional
 
 import torch
 
+from rollout.contracts.sync_protocol import DeltaBaseError
 from rollout.sync import delta, digest
 from rollout.sync.backends.gloo_stream import receive_buckets
 from rollout.sync.backends.gloo_worker import GlooUpdateInfo, GlooWeightTransferEngine
-from rollout.sync.protocol import DeltaBaseError
 
 
 @dataclass

@@ -18,8 +18,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from rollout.sync import net
-from rollout.sync.protocol import PullRound, PushRound, SessionRound
+from rollout.contracts import net
+from rollout.contracts.sync_protocol import PullRound, PushRound, SessionRound
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _pairs_hint() -> str:
     return (
         f"gloo's listeners bind ports the kernel picks from {net.EPHEMERAL_SYSCTL}{here}, and of each pair the host "
         "with the higher address connects to the lower one's listener: every host's firewall or NetworkPolicy must "
-        "admit that range from its peers (the README's 'Ports the sync uses')"
+        "admit that range from its peers (docs/sync-ports.md)"
     )
 
 
@@ -61,7 +61,7 @@ def local_address(rendezvous: Rendezvous, rank: int) -> net.Choice:
 
     Rank 0 hosts the rendezvous, so its address is the one it advertised there (the
     master address), which the others already proved they reach. Every other rank's is
-    :func:`rollout.sync.net.choose`'s: an engine worker's is its node's address in the Ray
+    :func:`rollout.contracts.net.choose`'s: an engine worker's is its node's address in the Ray
     cluster. gloo's own default (the hostname's address, or ``GLOO_SOCKET_IFNAME``)
     would announce loopback from a host whose hostname maps to 127.0.0.1, and every
     peer on another host would be refused.

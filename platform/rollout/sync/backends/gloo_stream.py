@@ -12,9 +12,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from rollout.contracts.sync_protocol import ParamSpec
 from rollout.sync import digest
 from rollout.sync.backends.gloo_group import GlooGroup
-from rollout.sync.protocol import ParamSpec
 from rollout.sync.wire import bucket_bytes_of, pack, plan_buckets, unpack
 
 IN_FLIGHT = 2  # buckets a receiver has posted ahead of the one it is loading

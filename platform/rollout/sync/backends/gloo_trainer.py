@@ -23,10 +23,10 @@ from typing import ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
+from rollout.contracts.sync_protocol import DEFAULT_BUCKET_BYTES, ParamSpec
 from rollout.sync.backends.gloo_group import GlooGroup, Rendezvous
 from rollout.sync.backends.gloo_stream import send_buckets
 from rollout.sync.backends.gloo_worker import GlooInitInfo
-from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, ParamSpec
 
 DEFAULT_GROUP_NAME = "rollout-weights"
 

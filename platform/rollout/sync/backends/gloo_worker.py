@@ -17,10 +17,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rollout.contracts.sync_protocol import DEFAULT_BUCKET_BYTES, ParamSpec
 from rollout.sync import digest
 from rollout.sync.backends.gloo_group import GroupSlot, Rendezvous
 from rollout.sync.backends.gloo_stream import receive_buckets
-from rollout.sync.protocol import DEFAULT_BUCKET_BYTES, ParamSpec
 
 if TYPE_CHECKING:
     import torch

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
-from rollout.sync.backends.base import Sender, SyncBackend, TransferInfo, TransferRound
+from rollout.contracts.backend import Sender, SyncBackend, TransferInfo, TransferRound
+from rollout.contracts.sync_protocol import Member
 from rollout.sync.backends.cuda_device import sending_device
-from rollout.sync.protocol import Member
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from rollout.sync import net
-from rollout.sync.backends.base import Sender, SyncBackend, TransferRound
+from rollout.contracts import net
+from rollout.contracts.backend import Sender, SyncBackend, TransferRound
+from rollout.contracts.sync_protocol import Member
 from rollout.sync.backends.cuda_device import sending_device
-from rollout.sync.protocol import Member
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo

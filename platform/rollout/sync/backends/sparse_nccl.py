@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from rollout.contracts.backend import SendChoice, TransferRound
+from rollout.contracts.sync_protocol import Member, PushRound
 from rollout.sync import delta
-from rollout.sync.backends.base import SendChoice, TransferRound
 from rollout.sync.backends.delta_info import DENSE, INT32_MAX, SparseNcclDelta  # torch-free: the ingress types it too
 from rollout.sync.backends.cuda_device import sending_device
 from rollout.sync.backends.nccl import NcclBackend, NcclSender
-from rollout.sync.protocol import Member, PushRound
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo

@@ -49,7 +49,7 @@ PORTS_ENV = "ROLLOUT_PUBLISHER_PORTS"
 EPHEMERAL_SYSCTL = "net.ipv4.ip_local_port_range"
 TRANSPORT_PORTS_HINT = (
     f"gloo's pairs and NCCL's bootstrap listen on ports each host's kernel picks from {EPHEMERAL_SYSCTL}, "
-    "and every host's firewall or NetworkPolicy must admit that range from its peers (the README's 'Ports the sync uses')"
+    "and every host's firewall or NetworkPolicy must admit that range from its peers (docs/sync-ports.md)"
 )
 _EPHEMERAL_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
 

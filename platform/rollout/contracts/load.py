@@ -47,7 +47,7 @@ class ReplicaLoad(BaseModel):
     prefix_cache_hits: Optional[int] = None  # of those, tokens found there
     inflight_requests: Optional[int] = None  # requests of the calls the replica is serving
     unfinished_requests: Optional[int] = None  # requests vLLM holds
-    weight_version: Optional[str] = None  # policy version served, as vLLM labels it (rollout.sync.version)
+    weight_version: Optional[str] = None  # policy version served, as vLLM labels it (rollout.contracts.version)
     max_num_seqs: Optional[int] = None  # sequences the engine batches at most
     updated_at: Optional[float] = None  # wall-clock time of the last engine step seen
 

@@ -1,6 +1,6 @@
 """What every weight-sync backend provides, in the shape of vLLM's weight-transfer engines.
 
-A backend is one file in this package holding a :class:`SyncBackend` (what the
+A backend is one file in :mod:`rollout.sync.backends` holding a :class:`SyncBackend` (what the
 coordinator, the replicas and the publisher need to know about it), its trainer-side
 :class:`Sender` (a :class:`CopySender` where the coordinator keeps a copy), and, for
 backends whose replicas pull, its :class:`TransferInfo`. The receiving side is a vLLM
@@ -11,7 +11,8 @@ the receiving engine's own ``WeightTransferInitInfo`` subclass (vLLM's NCCL and 
 our ``GlooInitInfo``), and :meth:`SyncBackend.engine_init_info` turns it into the dict that
 ``init_weight_transfer_engine`` takes, as vLLM's trainer engines do.
 
-Torch-free (the config and the ingress read backend names through this package).
+Torch-free (the config and the ingress read backend names through
+:mod:`rollout.contracts.backend_registry`, which types its backends with this module).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Optional, Sequence, Union
 
-from rollout.sync.net import PORTS_ENV, PortRange
-from rollout.sync.protocol import Member, ParamSpec, PullRound, PushRound, SessionRound
+from rollout.contracts.net import PORTS_ENV, PortRange
+from rollout.contracts.sync_protocol import Member, ParamSpec, PullRound, PushRound, SessionRound
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
