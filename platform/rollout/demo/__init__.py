@@ -101,7 +101,7 @@ def run_demo(model_dir: Path, steps: int = 30, prompts_per_step: int = 8, n: int
             latencies.append(wall)
             tokens = sum(len(s.token_ids) for r in results for s in r.samples)
             total_tokens, total_time = total_tokens + tokens, total_time + wall
-            stale = {sp.version for r in results for s in r.samples for sp in s.weight_versions} - {str(version) if version else "default"}
+            stale = {sp.version for r in results for s in r.samples for sp in s.weight_versions} - {version}
             if stale:
                 raise RuntimeError(f"step {step}: samples from versions {stale}, expected {version}")
             rewards = [[s.token_ids.count(target) / max(1, len(s.token_ids)) for s in r.samples] for r in results]

@@ -49,7 +49,6 @@ from rollout.errors import EngineUnavailableError, InvalidRequestError
 from rollout.logs import show_platform_logs
 from rollout.rewards import RewardScorer
 from rollout.sync.adapters import ServedAdapter
-from rollout.sync.version import version_of
 from rollout.tools.calling import TurnPlan
 
 logger = logging.getLogger(__name__)
@@ -234,7 +233,7 @@ class RolloutEngine:
         if turn is None:  # (an episode is scored when it ends, not turn by turn)
             samples = await self._scored(req, samples)
         committed = self.gate.known_committed
-        versions = [version_of(sp.version) for sample in samples for sp in sample.weight_versions]
+        versions = [sp.version for sample in samples for sp in sample.weight_versions]
         return RolloutResult(
             request_id=req.request_id,
             prompt_token_ids=prompt_ids,
