@@ -53,6 +53,11 @@ def test_invalid_request_error_survives_pickling_across_processes():
     err = pickle.loads(pickle.dumps(InvalidRequestError("requests[2].n", "too many")))
     assert err.field == "requests[2].n" and err.message == "too many" and str(err) == "requests[2].n: too many"
     assert err.at("requests[9]").field == "requests[9].requests[2].n"
+    from rollout.errors import AdapterNotFoundError
+
+    err = pickle.loads(pickle.dumps(AdapterNotFoundError("'math' is not a published LoRA adapter", field="name")))
+    assert (err.field, err.message, str(err)) == ("name", "'math' is not a published LoRA adapter", "name: 'math' is not a published LoRA adapter")
+    assert pickle.loads(pickle.dumps(AdapterNotFoundError("The lora adapter 'math' cannot be found."))).field is None
 
 
 def test_a_samples_versions_are_the_integers_publishes_return_not_vllms_labels():
