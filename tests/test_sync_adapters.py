@@ -495,6 +495,48 @@ async def test_with_lora_off_a_publishers_unload_is_refused_saying_so(model_dir)
         await asyncio.to_thread(in_cluster.unload_adapter, "math")
 
 
+async def test_the_readmes_peft_calls_publish_an_adapter_every_replica_stages_as_vllm_reads_it(model_dir, tmp_path):
+    """The LoRA example as a trainer writes it with PEFT (the ``lora`` extra):
+    ``publish_adapter(name, get_peft_model_state_dict(model), peft_config.to_dict())`` through
+    a publisher, and the directory ``save_pretrained`` writes (what vLLM's
+    ``/v1/load_lora_adapter`` route reads): both pass the coordinator's checks, every replica
+    stages them, and vLLM's own reader of the config takes what a replica wrote."""
+    peft = pytest.importorskip("peft", reason="PEFT: pip install -e '.[lora]'")
+    from transformers import AutoModelForCausalLM
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from rollout.sync.adapters import read_peft_directory
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    peft_config = model.peft_config["default"]
+    # A trained adapter's B is not zero: make this one change something.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    tensors = peft.get_peft_model_state_dict(model)
+    assert tensors and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in tensors), list(tensors)
+
+    coordinator = coordinator_for(model_dir)
+    in_cluster, _ = publishers(coordinator)
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        version = await asyncio.to_thread(in_cluster.publish_adapter, "math", tensors, peft_config.to_dict())
+        assert version == 1 and served(a) == served(b) == {"math": 1}
+        staged = a.adapters.get("math").path
+        helper = PEFTHelper.from_local_dir(staged, None)
+        helper.validate_legal(LoRAConfig(max_lora_rank=8))
+        assert (helper.r, helper.lora_alpha, sorted(helper.target_modules)) == (8, 16, ["q_proj", "v_proj"])
+
+        # The directory PEFT writes: what vLLM's LoRA route reads, checked the same way.
+        model.save_pretrained(str(tmp_path / "math"))
+        config, data = read_peft_directory(str(tmp_path / "math"), 1 << 30)
+        check_adapter(AdapterRequest(name="math", config=config, tensors=data), checkpoint_spec(str(model_dir)), max_rank=8, served_name="model")
+        outcome = await asyncio.wait_for(coordinator.publish_adapter(None, AdapterRequest(name="math", config=config, tensors=data)), 10)
+        assert outcome.committed and outcome.version == 2 and served(a) == served(b) == {"math": 2}
+
+
 # ---- a restarted coordinator learns the adapters back from the replicas -------------------
 
 
