@@ -17,13 +17,17 @@ def write_report(path: Path, steps: Sequence[dict]) -> Path:
     panels = [
         ("reward", "mean reward (target-token rate)"),
         ("tokens_per_s", "rollout tokens/s"),
-        ("kv_cache_usage", "peak KV-cache usage (0-1)"),
+        ("kv_cache_usage", "the step's peak KV-cache usage (0-1)"),
         ("sync_ms", "publish to committed (ms)"),
         ("version", "committed policy version"),
         ("loss", "policy-gradient loss"),
     ]
     for ax, (key, title) in zip(axes.flat, panels):
-        ax.plot(x, [s[key] for s in steps], marker="o", markersize=3)
+        values = [s[key] for s in steps]
+        ax.plot(x, [float("nan") if v is None else v for v in values], marker="o", markersize=3)
+        if values and all(v is None for v in values):
+            # Said on the panel rather than drawn as zeros.
+            title += "\nnot reported: the replica predates kv_cache_usage_peak"
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -118,6 +118,7 @@ class RolloutEngine:
         self.rewards = rewards
         self.metrics = metrics  # rollout.metrics.EngineMetrics, when metrics are on
         self.admission = Admission(config.limits, adapter.limits, adapter.prompt_ids, rewards, metrics)
+        self.admission.inflight.on_busy = adapter.snapshot.new_busy_period
 
     @staticmethod
     def _serve_replica_id() -> str:
@@ -365,6 +366,7 @@ class RolloutEngine:
             running=0 if idle else s.running,
             waiting=0 if idle else s.waiting,
             kv_cache_usage=0.0 if idle else s.kv_cache_usage,
+            kv_cache_usage_peak=s.kv_cache_usage_peak,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             inflight_requests=self.admission.inflight.count,
