@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,12 +39,17 @@ def local_platform(cfg: PlatformConfig, num_cpus: int = 8, quiet: bool = False) 
     """Start Ray (logical CPUs, not cores: replicas reserve 1 each), deploy, yield, tear down.
 
     ``quiet``: Ray's and Serve's notes of their own progress (a cluster started, an app
-    ready) are not printed here; their warnings and errors are.
+    ready) are not printed here; their warnings and errors are. A cluster it starts has
+    token authentication on, as Ray chooses for a new local cluster, said rather than
+    left to Ray's warning that it chose it.
 
     Torn down in order: the app deleted, and awaited (its replicas stop their engines),
     then the cluster this started. ``serve.shutdown()`` is not how: its controller kills
     itself under the call that asks it to, and the driver's calls still pending on it
     (that one, Serve's long poll) are each reported as a task of a dead actor."""
+    if quiet and "ray" not in sys.modules:
+        # Read once, as Ray is imported: set later, the driver and the cluster would disagree.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
     from ray import serve
 
