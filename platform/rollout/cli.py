@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
 # (deployment.graceful_shutdown_timeout_s, 30 s: requests in flight finish) and its
 # engine's stop. Past it the command exits; Serve goes on deleting the app.
 STOP_BOUND_S = 45.0
-STOP_NOTE_S = 5.0  # how often a stop says what it still waits for
+STOP_NOTE_S = 2.0  # how often a stop says what it still waits for
 
 
 class StopSignals:
@@ -150,6 +150,7 @@ def stop_serving(app: str, signals: StopSignals, own_cluster: bool, bound_s: flo
                 break
             now = time.monotonic()
             if not left:
+                print(f"rollout serve: app {app!r} deleted ({now - t0:.1f} s)", file=out, flush=True)
                 break
             if now - t0 >= bound_s:
                 print(f"rollout serve: still stopping after {bound_s:.0f} s: {'; '.join(left)}; exiting (Serve goes on deleting the app)", file=out, flush=True)
