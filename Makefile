@@ -23,7 +23,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile -e ".[cpu,test,demo]"
+	$(BIN)/pip install --quiet --no-compile -e ".[cpu,test,demo,lora]"
 	$(BIN)/pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
 	$(BIN)/python -c "import vllm, ray, transformers; from transformers import Qwen2ForCausalLM; print('vllm', vllm.__version__, 'ray', ray.__version__)"
 	touch $@

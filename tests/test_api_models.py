@@ -53,3 +53,34 @@ def test_invalid_request_error_survives_pickling_across_processes():
     err = pickle.loads(pickle.dumps(InvalidRequestError("requests[2].n", "too many")))
     assert err.field == "requests[2].n" and err.message == "too many" and str(err) == "requests[2].n: too many"
     assert err.at("requests[9]").field == "requests[9].requests[2].n"
+    from rollout.errors import AdapterNotFoundError
+
+    err = pickle.loads(pickle.dumps(AdapterNotFoundError("'math' is not a published LoRA adapter", field="name")))
+    assert (err.field, err.message, str(err)) == ("name", "'math' is not a published LoRA adapter", "name: 'math' is not a published LoRA adapter")
+    assert pickle.loads(pickle.dumps(AdapterNotFoundError("The lora adapter 'math' cannot be found."))).field is None
+
+
+def test_a_samples_versions_are_the_integers_publishes_return_not_vllms_labels():
+    """vLLM labels weight versions with strings ("default" before any update, then the
+    numbers the platform sets); a sample's spans carry the platform's integers, as
+    ``publish*()`` and ``adapter_version`` are, over Serve and in JSON alike."""
+    from types import SimpleNamespace
+
+    from vllm.outputs import WeightVersionSpan as VllmSpan
+
+    from rollout.api import Sample
+    from rollout.engine.convert import spans, to_chunk, to_sample
+    from rollout.sync.adapters import ServedAdapter
+
+    completion = SimpleNamespace(
+        index=0, token_ids=[7, 8, 9], logprobs=None, finish_reason="length", stop_reason=None, text="x",
+        weight_versions=[VllmSpan("default", 0, 1), VllmSpan("3", 1, 3)],
+    )
+    lora = ServedAdapter(name="math", version=2, lora_id=5, path="/tmp/x")
+    sample = to_sample(completion, lora)
+    assert [(s.version, s.start, s.end, s.adapter, s.adapter_version) for s in sample.weight_versions] == [(0, 0, 1, "math", 2), (3, 1, 3, "math", 2)]
+    assert all(type(s.version) is int for s in sample.weight_versions)
+    assert [s.version for s in to_chunk("r", completion).weight_versions] == [0, 3] == [s.version for s in spans(completion)]
+    wire = sample.model_dump(mode="json")["weight_versions"]
+    assert [(s["version"], s["adapter_version"]) for s in wire] == [(0, 2), (3, 2)]
+    assert Sample.model_validate_json(sample.model_dump_json()) == sample

@@ -83,9 +83,36 @@ def test_rollout_serve_with_only_the_model_path_starts_and_serves(model_dir, tmp
             client.close()
         assert len(result.samples[0].token_ids) == 4
         engine_death_is_typed_and_reported(serve, port)
+        stops_promptly_on_sigterm(serve)
     finally:
         rc = serve.stop()
     assert rc == 0, serve.tail()
+
+
+def stops_promptly_on_sigterm(serve: Serve) -> None:
+    """Issue 43: SIGTERM (as Ctrl-C) says at once that it stops and what it waits for, and
+    the command ends within its bound: the app deleted (or given up on), the local
+    cluster it started ended."""
+    import signal
+
+    from rollout.cli import STOP_BOUND_S
+
+    t0 = time.monotonic()
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.wait_for("rollout serve: stopping: deleting app 'rollout'", 5), serve.tail()
+    said_s = time.monotonic() - t0
+    assert serve.wait_for("rollout serve: stopped in ", STOP_BOUND_S + 30), serve.tail()
+    stopped_s = time.monotonic() - t0
+    try:
+        rc = serve.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 30 s after it said it stopped:\n{serve.tail()}")
+    elapsed = time.monotonic() - t0
+    serve._reader.join(5)
+    assert rc == 0 and any(line.startswith("rollout serve: stopped in ") for line in serve.lines), serve.tail()
+    assert any(line.startswith("rollout serve: app 'rollout' deleted (") for line in serve.lines), serve.tail()
+    assert "rollout serve: ending the local Ray cluster" in serve.lines, serve.tail()
+    print(f"said it stops {said_s:.1f} s after SIGTERM, that it stopped after {stopped_s:.1f} s; exited after {elapsed:.1f} s: " + " | ".join(line for line in serve.lines if line.startswith("rollout serve: ") and "engine of replica" not in line))
 
 
 def engine_death_is_typed_and_reported(serve: Serve, port: int) -> None:
@@ -146,3 +173,87 @@ def test_a_replica_that_cannot_fit_on_a_joined_clusters_node_is_named_in_one_lin
     )
     assert start_failure(message).endswith("node has 20.00 GiB free; lower model.kv_cache_memory_bytes")
     assert start_failure(message).startswith("model.kv_cache_memory_bytes = 1024.00 GiB does not fit")
+
+
+# ---- stopping: a signal ends `rollout serve` within a bound, saying what it waits for ------
+
+
+def test_a_stop_says_what_it_waits_for_and_ends_within_its_bound():
+    import io
+    import signal
+
+    from rollout.cli import StopSignals, stop_serving
+
+    out = io.StringIO()
+    signals = StopSignals(out=out, exit=lambda code: pytest.fail("a first signal never exits at once"))
+    calls: list[str] = []
+    t0 = time.monotonic()
+    rc = stop_serving(
+        "rollout", signals, own_cluster=True, bound_s=1.0, note_s=0.3,
+        remaining=lambda: ["RolloutEngine (1 stopping)"], delete=lambda: calls.append("delete"), shutdown=lambda: calls.append("shutdown"),
+    )
+    elapsed = time.monotonic() - t0
+    lines = out.getvalue().splitlines()
+    assert rc == 0 and calls == ["delete", "shutdown"] and elapsed < 2.0, (elapsed, lines)
+    assert lines[0].startswith("rollout serve: stopping: deleting app 'rollout'") and "Ctrl-C again to exit now" in lines[0]
+    assert any(line.startswith("rollout serve: waiting for RolloutEngine (1 stopping) to stop") for line in lines), lines
+    assert any("still stopping after 1 s: RolloutEngine (1 stopping); exiting" in line for line in lines), lines
+    assert lines[-2:] == ["rollout serve: ending the local Ray cluster", lines[-1]] and lines[-1].startswith("rollout serve: stopped in "), lines
+
+    # An app that goes at once: no waiting, no note; a joined cluster is left running.
+    out, calls = io.StringIO(), []
+    assert stop_serving("rollout", StopSignals(out=out), own_cluster=False, remaining=lambda: [], delete=lambda: calls.append("delete"), shutdown=lambda: calls.append("shutdown")) == 0
+    lines = out.getvalue().splitlines()
+    assert calls == ["delete"] and len(lines) == 3 and lines[1].startswith("rollout serve: app 'rollout' deleted ("), lines
+
+    # While the app starts, the first signal interrupts the start; once it serves, it asks for a stop.
+    signals = StopSignals(out=io.StringIO())
+    with pytest.raises(KeyboardInterrupt):
+        signals._on_signal(signal.SIGTERM)
+    assert signals.stopping
+    signals = StopSignals(out=io.StringIO())
+    signals.serving()
+    signals._on_signal(signal.SIGINT)
+    assert signals.stopping and signals.wait(0)
+
+
+STOPPING_CHILD = """
+import sys, time
+from rollout.cli import StopSignals, stop_serving
+signals = StopSignals()
+signals.install()
+signals.serving()
+print("serving", flush=True)
+while not signals.wait(1.0):
+    pass
+stop_serving("rollout", signals, own_cluster=False, bound_s=120, note_s=1, remaining=lambda: ["RolloutEngine (1 stopping)"], delete=lambda: None)
+"""
+
+
+def test_a_second_signal_while_stopping_exits_at_once():
+    """Ctrl-C, then Ctrl-C again while the app's replicas stop: the command exits at once
+    (130), saying so, without waiting out the bound."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", STOPPING_CHILD], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "serving" not in lines and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "serving" in lines, lines
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not any("waiting for RolloutEngine" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any(line.startswith("rollout serve: stopping: deleting app 'rollout'") for line in lines), lines
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(5) == 130
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        end(proc, 5)
+    reader.join(5)
+    assert lines[-1] == "rollout serve: SIGINT again: exiting now; Serve goes on deleting the app", lines

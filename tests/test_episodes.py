@@ -82,7 +82,7 @@ async def test_an_episode_names_an_adapter_each_turn_takes_its_newest_committed_
         # As the replica samples: the adapter's version served when the request starts.
         sent.append(request)
         lora = gate.adapter(request.adapter) if request.adapter is not None else None
-        span = WeightVersionSpan(version="0", start=0, end=2, adapter=lora and lora.name, adapter_version=lora and lora.version)
+        span = WeightVersionSpan(version=0, start=0, end=2, adapter=lora and lora.name, adapter_version=lora and lora.version)
         return Sample(token_ids=[11, 12], logprobs=[-0.5, -0.5], finish_reason="length", weight_versions=[span])
 
     service = EpisodeService(cfg, tokenizer, "r", 512, sample, RewardScorer.from_config(cfg.rewards), check_adapter=gate.adapter)

@@ -134,11 +134,11 @@ def test_a_trainer_pod_joins_as_a_driver_and_publishes_through_weight_publisher_
     first = pod.call(timeout_s=4 * SYNC_TIMEOUT_S, op="publish", seed=PERTURBED)
     assert first.get("version") == 1, f"{first}\n{hosts.logs()}"
     out = generate(pod, hosts)
-    assert out["version_set"] == {"1"} and out["tokens"] != checkpoint["tokens"], "the perturbed weights serve other tokens"
+    assert out["version_set"] == {1} and out["tokens"] != checkpoint["tokens"], "the perturbed weights serve other tokens"
     # The checkpoint's own weights back: exactly its tokens, so what arrived is the weights
     # as sent and every token came from them.
     second = pod.call(timeout_s=4 * SYNC_TIMEOUT_S, op="publish", seed=0)
     assert second.get("version") == 2, f"{second}\n{hosts.logs()}"
     out = generate(pod, hosts)
-    assert out["version_set"] == {"2"} and out["tokens"] == checkpoint["tokens"]
+    assert out["version_set"] == {2} and out["tokens"] == checkpoint["tokens"]
     print(f"joined in {joined['join_s']:.1f}s; publishes committed in {first['elapsed_s']:.1f}s and {second['elapsed_s']:.1f}s")

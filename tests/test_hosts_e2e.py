@@ -133,7 +133,7 @@ def test_a_publish_from_the_trainer_host_without_the_setting_commits_and_generat
     first = publish(trainer, hosts, seed=PERTURBED)
     assert first.get("version") == 1, f"{first}\n{hosts.logs()}"
     out = generate(trainer, hosts)
-    assert out["version_set"] == {"1"}
+    assert out["version_set"] == {1}
     assert out["tokens"] != served["checkpoint"], "the perturbed weights serve other tokens"
     assert out["tokens"] == [reference_tokens(platform, hosts)[json.dumps(p)] for p in PROMPTS], "the tokens of a fresh engine on the published weights"
     served["seed-1"] = out["tokens"]
@@ -142,7 +142,7 @@ def test_a_publish_from_the_trainer_host_without_the_setting_commits_and_generat
     second = publish(trainer, hosts, seed=0)
     assert second.get("version") == 2, f"{second}\n{hosts.logs()}"
     out = generate(trainer, hosts)
-    assert out["version_set"] == {"2"} and out["tokens"] == served["checkpoint"]
+    assert out["version_set"] == {2} and out["tokens"] == served["checkpoint"]
 
 
 def test_a_publish_to_an_address_the_replicas_cannot_reach_fails_in_seconds_and_the_replica_keeps_its_version(platform, hosts, served):
@@ -156,12 +156,12 @@ def test_a_publish_to_an_address_the_replicas_cannot_reach_fails_in_seconds_and_
     assert f"{SIDE_TRAINER_ADDRESS}:{failed['port']}" in message and "ROLLOUT_PUBLISHER_ADDRESS" in message, message
     assert "keep version 2" in message, message
     out = generate(trainer, hosts)
-    assert out["version_set"] == {"2"} and out["tokens"] == served["checkpoint"], "still the last committed version"
+    assert out["version_set"] == {2} and out["tokens"] == served["checkpoint"], "still the last committed version"
     # Without the setting the next publish goes through: the failed round left nothing behind.
     recovered = publish(trainer, hosts, seed=PERTURBED)
     assert recovered.get("version") == 3, f"{recovered}\n{hosts.logs()}"
     out = generate(trainer, hosts)
-    assert out["version_set"] == {"3"} and out["tokens"] == served["seed-1"], "the same weights as version 1: the same tokens"
+    assert out["version_set"] == {3} and out["tokens"] == served["seed-1"], "the same weights as version 1: the same tokens"
     print(f"the unreachable publish failed in {failed['elapsed_s']:.1f}s; the next one committed in {recovered['elapsed_s']:.1f}s")
 
 
@@ -188,7 +188,7 @@ def test_a_replica_that_starts_on_the_worker_host_after_several_commits_catches_
     prompts = served["prompts"][WORKER_ADDRESS]
     out = generate(trainer, hosts, prompts)
     assert out["replicas"] == [late] * PER_HOST, f"the router's preferred replica for these prompts: {out['replicas']}"
-    assert out["version_set"] == {"3"}, out["versions"]
+    assert out["version_set"] == {3}, out["versions"]
     reference = reference_tokens(platform, hosts)
     assert out["tokens"] == [reference[json.dumps(p)] for p in prompts]
     status = trainer.call(op="status")
@@ -205,7 +205,7 @@ def test_rollouts_from_the_trainer_host_reach_replicas_on_both_hosts_by_prefix_a
     for _ in range(2):
         out = generate(trainer, hosts, [prompts[i] for i in order])
         assert out["replicas"] == [expected[i] for i in order], "each prompt's prefix picks its replica, on either host"
-        assert out["version_set"] == {"3"}
+        assert out["version_set"] == {3}
         assert out["tokens"] == [reference[json.dumps(prompts[i])] for i in order], "both hosts serve the committed weights"
 
 
@@ -217,13 +217,13 @@ def test_a_publish_from_the_trainer_host_commits_into_replicas_on_both_hosts(pla
     back = publish(trainer, hosts, seed=0)
     assert back.get("version") == 4, f"{back}\n{hosts.logs()}"
     out = generate(trainer, hosts, prompts)
-    assert out["replicas"] == expected and out["version_set"] == {"4"}
+    assert out["replicas"] == expected and out["version_set"] == {4}
     changed = [t != reference[json.dumps(p)] for p, t in zip(prompts, out["tokens"])]
     assert changed[:PER_HOST].count(True) and changed[PER_HOST:].count(True), "both hosts left the perturbed weights"
     again = publish(trainer, hosts, seed=PERTURBED)
     assert again.get("version") == 5, f"{again}\n{hosts.logs()}"
     out = generate(trainer, hosts, prompts)
-    assert out["replicas"] == expected and out["version_set"] == {"5"}
+    assert out["replicas"] == expected and out["version_set"] == {5}
     assert out["tokens"] == [reference[json.dumps(p)] for p in prompts], "greedy on both hosts equals a fresh engine on the published weights"
     status = trainer.call(op="status")
     assert {r: v["version"] for r, v in status["replicas"].items()} == {rid: 5 for rid in expected}, status

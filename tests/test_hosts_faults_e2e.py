@@ -112,12 +112,9 @@ class Cluster:
 def served(results: list[dict], version: int) -> tuple[list[list[int]], set[str]]:
     """The tokens each prompt got (the same from every replica and every round: greedy),
     checking that every token came from ``version``; and the replicas that served."""
-    from rollout.contracts.version import INITIAL_VERSION_LABEL
-
-    label = str(version) if version else INITIAL_VERSION_LABEL
     by_prompt: dict[int, list[int]] = {}
     for r in results:
-        assert r["versions"] == [[label, 0, N_TOKENS]], f"every token from version {version}: {r}"
+        assert r["versions"] == [[version, 0, N_TOKENS]], f"every token from version {version}: {r}"
         want = by_prompt.setdefault(r["prompt"], r["tokens"])
         assert r["tokens"] == want, f"prompt {r['prompt']}: replica {r['replica']} served other tokens than another replica or round"
     return [by_prompt[i] for i in range(len(PROMPTS))], {r["replica"] for r in results}

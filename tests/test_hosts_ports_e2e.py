@@ -235,7 +235,7 @@ def served():
     return {}
 
 
-def generate(trainer, hosts) -> tuple[list[list[int]], set[str]]:
+def generate(trainer, hosts) -> tuple[list[list[int]], set[int]]:
     out = trainer.call(op="generate", prompts=PROMPTS, max_tokens=N_TOKENS)
     assert "tokens" in out, f"{out}\n{hosts.logs()}"
     return out["tokens"], {spans[0][0] for spans in out["versions"]}
@@ -279,7 +279,7 @@ def test_a_publish_opens_only_the_documented_ports(trainer, hosts, served):
     # The trainer's address is the higher one: no gloo pair connects to it.
     assert not {p for p in to_trainer if p in TRAINER_EPHEMERAL}, m
     tokens, versions = generate(trainer, hosts)
-    assert versions == {"1"} and tokens != served["checkpoint"]
+    assert versions == {1} and tokens != served["checkpoint"]
     served["seed-1"] = tokens
     print(f"publish: trainer->head ports {sorted(to_head)}; head->trainer ports {sorted(to_trainer)}")
 
@@ -307,7 +307,7 @@ def test_a_route_session_opens_only_the_documented_ports(trainer, hosts, served,
     assert to_trainer == {out["master_port"]} and out["master_port"] in PUBLISHER_PORTS, m
     assert len({p for p in to_head if p in HEAD_EPHEMERAL}) >= 2, f"the replica's and the copy's listeners: {m}"
     tokens, versions = generate(trainer, hosts)
-    assert versions == {"2"} and tokens == served["checkpoint"], "the checkpoint's own weights serve its tokens"
+    assert versions == {2} and tokens == served["checkpoint"], "the checkpoint's own weights serve its tokens"
     print(f"route session: trainer->head ports {sorted(to_head)}; head->trainer ports {sorted(to_trainer)}")
 
 
@@ -317,7 +317,7 @@ def test_publishing_works_through_exactly_the_documented_rules(trainer, hosts, s
     out = publish(trainer, seed=1)
     assert out.get("version") == 3, f"{out}\n{hosts.logs()}"
     tokens, versions = generate(trainer, hosts)
-    assert versions == {"3"} and tokens == served["seed-1"]
+    assert versions == {3} and tokens == served["seed-1"]
     m = measured(hosts)
     assert m["dropped"] == set(), f"nothing the sync needs was dropped: {m['dropped']}"
 
@@ -335,7 +335,7 @@ def test_without_the_rendezvous_rule_a_publish_fails_fast_naming_the_address_por
     assert f"{TRAINER_ADDRESS}:{out['port']}" in message and f"ROLLOUT_PUBLISHER_PORTS={PUBLISHER_PORTS}" in message, message
     assert "keep version 3" in message, message
     tokens, versions = generate(trainer, hosts)
-    assert versions == {"3"} and tokens == served["seed-1"], "still the committed version"
+    assert versions == {3} and tokens == served["seed-1"], "still the committed version"
     print(f"without {R_RENDEZVOUS}: {out['error_type']} in {out['elapsed_s']:.1f}s: {message}")
 
 
@@ -354,12 +354,12 @@ def test_without_the_engine_pair_rule_a_publish_fails_within_the_deadline_and_re
     assert "the rendezvous answered" in out["message"] and "net.ipv4.ip_local_port_range" in out["message"], out
     assert dropped and all(c.port in HEAD_EPHEMERAL for c in dropped), dropped
     tokens, versions = generate(trainer, hosts)
-    assert versions == {"3"} and tokens == served["seed-1"], "still the committed version"
+    assert versions == {3} and tokens == served["seed-1"], "still the committed version"
     # With the rule back, the next publish commits.
     again = publish(trainer, seed=0)
     assert again.get("version") == 4, f"{again}\n{hosts.logs()}"
     tokens, versions = generate(trainer, hosts)
-    assert versions == {"4"} and tokens == served["checkpoint"]
+    assert versions == {4} and tokens == served["checkpoint"]
     print(f"without {R_ENGINE_PAIRS}: {out['error_type']} in {out['elapsed_s']:.1f}s: {out['message']}")
 
 

@@ -102,6 +102,8 @@ def platform_errors():
         (ForbiddenError("/collective_rpc is not served here"), 403, "forbidden", ForbiddenError),
         (EpisodeLostError("episode r1.x is not on this replica"), 404, "episode_lost", EpisodeLostError),
         (AdapterNotFoundError("The lora adapter 'math' cannot be found."), 404, "adapter_not_found", AdapterNotFoundError),
+        # WeightPublisher.unload_adapter's: it names the field that held the name.
+        (AdapterNotFoundError("'math' is not a published LoRA adapter (published: none)", field="name"), 404, "adapter_not_found", AdapterNotFoundError),
         (StaleWeightsError("version 3 did not arrive"), 409, "stale_weights", StaleWeightsError),
         (SyncError("round-1 aborted"), 409, "sync_error", SyncError),
         (NoCommittedCopyError("nothing holds version 2"), 409, "sync_error", SyncError),
@@ -127,10 +129,10 @@ def test_the_ingress_answers_each_error_from_the_table_and_the_client_reads_the_
     response = asyncio.run(handler(None, raised))
     body = json.loads(response.body)
     assert response.status_code == status and body["error"]["type"] == kind and body["error"]["message"] == str(raised)
-    assert ("field" in body["error"]) == isinstance(raised, InvalidRequestError)
+    assert body["error"].get("field") == getattr(raised, "field", None)
     with pytest.raises(read_back) as exc:
         raise_for_error(httpx.Response(status, content=response.body, headers=dict(response.headers)))
-    assert str(exc.value) == str(raised)
+    assert str(exc.value) == str(raised) and getattr(exc.value, "field", None) == getattr(raised, "field", None)
     if isinstance(raised, OverloadedError):
         assert response.headers["retry-after"] == "2" and exc.value.retry_after_s == 2.0
     if isinstance(raised, InvalidRequestError):

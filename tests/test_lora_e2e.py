@@ -251,3 +251,55 @@ async def test_a_trainer_written_for_vllm_serve_loads_and_unloads_adapters_with_
             assert r.status_code == 404 and r.json()["error"]["type"] == "adapter_not_found", r.text
     finally:
         client.close()
+
+
+async def test_a_publisher_unloads_an_adapter_from_every_replica_and_a_replica_that_starts_later_does_not_load_it(lora_app, adapters, lora_reference):
+    """``WeightPublisher.unload_adapter`` (in the cluster; over HTTP for a name not
+    published): every replica refuses requests naming it, the coordinator forgets it, a
+    replica that starts afterwards loads only the adapters still published, and a later
+    publish of the name continues after the version removed."""
+    from rollout.errors import AdapterNotFoundError
+
+    cfg = await asyncio.to_thread(lora_app, 2)  # as the tests above left it: no engine starts
+    base_url = f"http://127.0.0.1:{cfg.http.port}"
+    client = RolloutClient.connect(app_name=cfg.app_name)
+    publisher = WeightPublisher.connect(app_name=cfg.app_name, token=SYNC_TOKEN)
+    http_publisher = WeightPublisher.http(base_url, api_key=API_KEY, token=SYNC_TOKEN)
+    try:
+        (tensors, config, _), (tensors2, config2, _) = adapters
+        kept = await asyncio.to_thread(publisher.publish_adapter, "kept", tensors2, config2)
+        gone = await asyncio.to_thread(publisher.publish_adapter, "gone", tensors, config)
+        await assert_every_replica_serves(client, lora_reference[1], 2, adapter_version=gone, name="gone")
+
+        assert await asyncio.to_thread(publisher.unload_adapter, "gone") is None
+        assert publisher.last_outcome.committed and not publisher.last_outcome.failed_replicas, publisher.last_outcome
+
+        async def refused_everywhere(tag: str) -> None:
+            for k in range(3):
+                for i, p in enumerate(PROMPTS):
+                    with pytest.raises(InvalidRequestError) as e:
+                        await client.generate([greedy(p, f"{tag}-{k}-{i}", "gone")])
+                    assert e.value.field == "requests[0].adapter" and "not a published LoRA adapter" in e.value.message
+
+        await refused_everywhere("unloaded")
+        status = await asyncio.to_thread(http_publisher.status)
+        assert "gone" not in status["adapters"] and status["adapters"]["kept"] == kept, status
+
+        # A name not published: typed, naming the field (a 404 over HTTP), nothing changes.
+        with pytest.raises(AdapterNotFoundError) as e:
+            await asyncio.to_thread(http_publisher.unload_adapter, "gone")
+        assert e.value.field == "name" and "'gone' is not a published LoRA adapter" in e.value.message
+
+        # A replica that starts after the unload loads what is still published, not it.
+        await asyncio.to_thread(lora_app, 1)
+        await asyncio.to_thread(lora_app, 2)
+        await assert_every_replica_serves(client, lora_reference[2], 2, adapter_version=kept, name="kept")
+        await refused_everywhere("after-restart")
+
+        # Published again: the version after the one removed.
+        assert await asyncio.to_thread(publisher.publish_adapter, "gone", tensors, config) == gone + 1
+        await assert_every_replica_serves(client, lora_reference[1], 2, adapter_version=gone + 1, name="gone")
+    finally:
+        publisher.close()
+        http_publisher.close()
+        client.close()

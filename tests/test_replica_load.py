@@ -39,6 +39,7 @@ FULL = ReplicaLoad(
 PUBLIC_FIELDS = [
     "replica_id", "running", "waiting", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits",
     "inflight_requests", "unfinished_requests", "weight_version", "max_num_seqs", "updated_at",
+    "kv_cache_usage_peak",  # added after them (issue 43)
 ]
 
 
@@ -127,6 +128,7 @@ async def test_stats_keep_their_public_fields_and_types():
     assert json.loads(s.model_dump_json()) == {
         "replica_id": "r", "running": 3, "waiting": 1, "kv_cache_usage": 0.5, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
         "inflight_requests": 2, "unfinished_requests": 4, "weight_version": "default", "max_num_seqs": 8, "updated_at": 0.0,
+        "kv_cache_usage_peak": 0.0,
     }
     assert '"running":3,' in s.model_dump_json(), "counts stay integers"
 
@@ -150,6 +152,31 @@ def test_an_idle_replica_reports_zeros_it_decided_on():
     r.adapter.snapshot.last_step_monotonic = time.monotonic() - 10
     load = ReplicaLoad.from_routing_stats("r", r.record_routing_stats())
     assert (load.running, load.waiting, load.kv_cache_usage, load.weight_version) == (0, 0, 0.0, "default")
+
+
+def test_the_kv_cache_peak_is_that_of_the_current_run_of_requests_or_idle_of_the_last_one():
+    """A burst's KV-cache use, which polling ``kv_cache_usage`` misses between engine steps
+    (and an idle replica reports as 0): the highest the engine reported since requests
+    last arrived at a replica serving none."""
+
+    def step(usage: float, running: int) -> SimpleNamespace:
+        return SimpleNamespace(prefix_cache_stats=None, num_running_reqs=running, num_waiting_reqs=0, num_skipped_waiting_reqs=0, kv_cache_usage=usage)
+
+    r = replica()
+    snapshot = r.adapter.snapshot
+    with r.admission.inflight.counted(8):
+        for usage, running in ((0.2, 8), (0.45, 8), (0.3, 4), (0.0, 0)):
+            snapshot.update(step(usage, running))
+        assert r._load().kv_cache_usage_peak == 0.45
+    snapshot.last_step_monotonic = time.monotonic() - 10  # idle: the usage reads 0, the peak stays the last run's
+    load = ReplicaLoad.from_routing_stats("r", r.record_routing_stats())
+    assert (load.kv_cache_usage, load.kv_cache_usage_peak) == (0.0, 0.45)
+    with r.admission.inflight.counted(1):  # the next run starts its own peak
+        assert r._load().kv_cache_usage_peak == 0.0
+        snapshot.update(step(0.1, 1))
+        with r.admission.inflight.counted(1):  # a request joining a run does not restart it
+            snapshot.update(step(0.05, 2))
+        assert r._load().kv_cache_usage_peak == 0.1
 
 
 async def test_the_router_ranks_replicas_by_their_reported_load():

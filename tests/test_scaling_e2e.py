@@ -78,7 +78,7 @@ async def test_a_burst_scales_out_new_replicas_hold_the_newest_version_and_the_c
     version = await asyncio.to_thread(publisher.publish, perturbed_policy(model_dir, seed=11).named_parameters())
     assert replica_count(cfg.app_name) == 1
     stop = asyncio.Event()
-    versions_seen: set[str] = set()
+    versions_seen: set[int] = set()
 
     async def burst():
         while not stop.is_set():
@@ -99,14 +99,14 @@ async def test_a_burst_scales_out_new_replicas_hold_the_newest_version_and_the_c
     await asyncio.sleep(5)  # let the new replica take part of the burst
     stop.set()
     await task
-    assert versions_seen == {str(version)}, "every token came from the committed version"
+    assert versions_seen == {version}, "every token came from the committed version"
 
     # Burst over: back to the minimum (zero) after the downscale delay...
     await wait_until(lambda: asyncio.to_thread(lambda: replica_count(cfg.app_name) == 0), timeout_s=180, interval_s=1)
     # ...and the first request after zero waits for a replica instead of failing,
     # which catches up to the committed version before serving it.
     (res,) = await asyncio.wait_for(client.generate([long_request(8)]), timeout=300)
-    assert [sp.version for sp in res.samples[0].weight_versions] == [str(version)]
+    assert [sp.version for sp in res.samples[0].weight_versions] == [version]
     print(f"scale-out took {scale_out_s:.0f}s")
 
 

@@ -366,6 +366,177 @@ async def test_an_unload_that_a_replica_does_not_answer_aborts_and_every_replica
         assert served(a) == {"math": 1} and (await coordinator.status())["adapters"] == {"math": 1}
 
 
+class LoopHandle:
+    """The coordinator's Serve handle as a blocking caller (a trainer's thread) sees it:
+    each call runs on the test's loop; ``result(timeout_s)`` waits for it."""
+
+    def __init__(self, coordinator, loop):
+        self.coordinator, self.loop = coordinator, loop
+
+    def __getattr__(self, name):
+        method, loop = getattr(self.coordinator, name), self.loop
+
+        class Response:
+            def __init__(self, future):
+                self.future = future
+
+            def result(self, timeout_s=None):
+                return self.future.result(timeout_s)
+
+        return type("Method", (), {"remote": staticmethod(lambda *args: Response(asyncio.run_coroutine_threadsafe(method(*args), loop)))})
+
+
+class HttpUnloads:
+    """What ``POST /v1/sync/adapter-removals`` does (rollout.http.ingress), over an httpx
+    transport in this process: the body typed by ``AdapterRemovalBody``, the coordinator
+    (on the test's loop) answering, its errors from the one wire table."""
+
+    def __init__(self, coordinator, loop):
+        self.coordinator, self.loop = coordinator, loop
+
+    def __call__(self, request):
+        import httpx
+
+        from rollout import wire_errors
+        from rollout.errors import RolloutError
+        from rollout.sync.remote import OUTCOME, AdapterRemovalBody
+
+        assert request.url.path == "/v1/sync/adapter-removals", request.url.path
+        try:
+            body = AdapterRemovalBody.model_validate_json(request.content)
+            outcome = asyncio.run_coroutine_threadsafe(self.coordinator.unload_adapter(None, body.name), self.loop).result(10)
+        except RolloutError as e:
+            answer = wire_errors.encode(e)
+            return httpx.Response(answer.status, json=answer.body, headers=answer.headers)
+        return httpx.Response(200, json=OUTCOME.dump_python(outcome, mode="json"))
+
+
+def publishers(coordinator):
+    """``WeightPublisher.connect``'s and ``WeightPublisher.http``'s, reaching ``coordinator``."""
+    import httpx
+
+    from rollout.sync import WeightPublisher
+    from rollout.sync.coordinator_client import BlockingCoordinatorHandle
+    from rollout.sync.remote import HttpCoordinator
+
+    loop = asyncio.get_running_loop()
+    over_http = HttpCoordinator("http://ingress", None, 10.0)
+    over_http.client = httpx.Client(base_url="http://ingress", transport=httpx.MockTransport(HttpUnloads(coordinator, loop)))
+    return WeightPublisher(BlockingCoordinatorHandle(LoopHandle(coordinator, loop), 10.0), "auto", None), WeightPublisher(over_http, "auto", None)
+
+
+async def test_a_publisher_unloads_an_adapter_from_every_replica_and_replicas_that_start_later_do_not_load_it(model_dir):
+    """``WeightPublisher.unload_adapter``, in the cluster and over HTTP: every live replica
+    stops serving it, the coordinator's catch-up state forgets it, and a name not published
+    is refused naming ``name`` before any round opens."""
+    from rollout.config import SyncConfig
+    from rollout.engine.sync_gate import SyncGate
+    from rollout.errors import AdapterNotFoundError
+
+    coordinator = coordinator_for(model_dir)
+    in_cluster, over_http = publishers(coordinator)
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        for seed, name in ((0, "math"), (1, "math"), (2, "code")):
+            assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, seed, name=name)), 10)).committed
+        math_ids = {a.adapters.get("math").lora_id, b.adapters.get("math").lora_id}
+
+        assert await asyncio.to_thread(in_cluster.unload_adapter, "math") is None
+        assert in_cluster.last_outcome.committed and in_cluster.last_outcome.failed_replicas == []
+        assert served(a) == served(b) == {"code": 1}, "every live replica stopped serving it; the other adapter stays"
+        assert not math_ids & (set(a.engine.loaded) | set(b.engine.loaded)), "it left every engine"
+        with pytest.raises(InvalidRequestError, match="not a published LoRA adapter"):
+            SyncGate.over(a, SyncConfig(), "a").adapter("math")
+        assert (await coordinator.status())["adapters"] == {"code": 1}
+        caught_up = coordinator.store.committed_adapters()
+        assert [c.name for c in caught_up.copies] == ["code"] and caught_up.without_copy == (), "catch-up no longer holds it"
+
+        # A replica that starts now loads what is committed, not the adapter unloaded.
+        late = await started(coordinator, model_dir, "late")
+        try:
+            assert served(late) == {"code": 1}
+
+            # Over HTTP too, on every replica, the late one included.
+            assert await asyncio.to_thread(over_http.unload_adapter, "code") is None
+            assert served(a) == served(b) == served(late) == {} and (await coordinator.status())["adapters"] == {}
+
+            # A name not published: typed, naming the field, before any round opens; the
+            # same error over HTTP (a 404 `adapter_not_found`).
+            rounds_before = [o.round_id for o in coordinator.rounds.history]
+            for publisher in (in_cluster, over_http):
+                with pytest.raises(AdapterNotFoundError) as e:
+                    await asyncio.to_thread(publisher.unload_adapter, "math")
+                assert e.value.field == "name" and e.value.message == "'math' is not a published LoRA adapter (published: none)", e.value
+            assert [o.round_id for o in coordinator.rounds.history] == rounds_before, "no round opened"
+
+            # Published again, it continues after the version removed.
+            outcome = await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 3)), 10)
+            assert outcome.committed and outcome.version == 3 and served(a) == served(late) == {"math": 3}
+            with pytest.raises(AdapterNotFoundError, match=r"^name: 'nope' is not a published LoRA adapter \(published: 'math'\)$"):
+                await asyncio.to_thread(over_http.unload_adapter, "nope")
+        finally:
+            late.stop()
+
+
+async def test_a_publishers_unload_that_a_replica_does_not_answer_raises_and_every_replica_keeps_serving_it(model_dir):
+    coordinator = coordinator_for(model_dir)
+    coordinator.rounds.sync = coordinator.rounds.sync.model_copy(update={"timeout_s": 0.5})
+    in_cluster, _ = publishers(coordinator)
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        assert (await asyncio.wait_for(coordinator.publish_adapter(None, request(model_dir, 0)), 10)).committed
+        b.stop()  # still a member (it polled within the liveness window) but never reports
+        with pytest.raises(SyncError, match="every replica keeps serving adapter 'math' version 1"):
+            await asyncio.to_thread(in_cluster.unload_adapter, "math")
+        assert served(a) == {"math": 1} and (await coordinator.status())["adapters"] == {"math": 1}
+
+
+async def test_with_lora_off_a_publishers_unload_is_refused_saying_so(model_dir):
+    in_cluster, _ = publishers(coordinator_for(model_dir, enabled=False))
+    with pytest.raises(SyncError, match="model.lora.enabled"):
+        await asyncio.to_thread(in_cluster.unload_adapter, "math")
+
+
+async def test_the_readmes_peft_calls_publish_an_adapter_every_replica_stages_as_vllm_reads_it(model_dir, tmp_path):
+    """The LoRA example as a trainer writes it with PEFT (the ``lora`` extra):
+    ``publish_adapter(name, get_peft_model_state_dict(model), peft_config.to_dict())`` through
+    a publisher, and the directory ``save_pretrained`` writes (what vLLM's
+    ``/v1/load_lora_adapter`` route reads): both pass the coordinator's checks, every replica
+    stages them, and vLLM's own reader of the config takes what a replica wrote."""
+    peft = pytest.importorskip("peft", reason="PEFT: pip install -e '.[lora]'")
+    from transformers import AutoModelForCausalLM
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from rollout.sync.adapters import read_peft_directory
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    peft_config = model.peft_config["default"]
+    # A trained adapter's B is not zero: make this one change something.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    tensors = peft.get_peft_model_state_dict(model)
+    assert tensors and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in tensors), list(tensors)
+
+    coordinator = coordinator_for(model_dir)
+    in_cluster, _ = publishers(coordinator)
+    async with replicas(coordinator, model_dir, "a", "b") as (a, b):
+        version = await asyncio.to_thread(in_cluster.publish_adapter, "math", tensors, peft_config.to_dict())
+        assert version == 1 and served(a) == served(b) == {"math": 1}
+        staged = a.adapters.get("math").path
+        helper = PEFTHelper.from_local_dir(staged, None)
+        helper.validate_legal(LoRAConfig(max_lora_rank=8))
+        assert (helper.r, helper.lora_alpha, sorted(helper.target_modules)) == (8, 16, ["q_proj", "v_proj"])
+
+        # The directory PEFT writes: what vLLM's LoRA route reads, checked the same way.
+        model.save_pretrained(str(tmp_path / "math"))
+        config, data = read_peft_directory(str(tmp_path / "math"), 1 << 30)
+        check_adapter(AdapterRequest(name="math", config=config, tensors=data), checkpoint_spec(str(model_dir)), max_rank=8, served_name="model")
+        outcome = await asyncio.wait_for(coordinator.publish_adapter(None, AdapterRequest(name="math", config=config, tensors=data)), 10)
+        assert outcome.committed and outcome.version == 2 and served(a) == served(b) == {"math": 2}
+
+
 # ---- a restarted coordinator learns the adapters back from the replicas -------------------
 
 

@@ -77,7 +77,7 @@ async def assert_every_replica_serves(handle_client, reference, replicas: int, p
         for (r,), want in zip(results, expected):
             assert r.samples[0].token_ids == want
             if version is not None:
-                assert r.samples[0].weight_versions[0].version == str(version)
+                assert r.samples[0].weight_versions[0].version == version
             seen.add(r.replica_id)
     assert len(seen) == replicas, f"requests reached only {seen}"
 
@@ -114,7 +114,7 @@ async def test_bad_publishes_are_rejected_before_any_replica_changes(publisher, 
             await asyncio.to_thread(bad.publish, params)
     (after,) = await handle_client.generate([greedy(PROMPTS[0], 16)])
     assert after.samples[0].token_ids == before.samples[0].token_ids
-    assert after.samples[0].weight_versions[0].version == "default"
+    assert after.samples[0].weight_versions[0].version == 0, "the checkpoint's own weights (vLLM's label \"default\") are version 0"
 
 
 async def test_after_publish_greedy_output_equals_a_fresh_engine_with_the_published_weights(
@@ -130,7 +130,7 @@ async def test_after_publish_greedy_output_equals_a_fresh_engine_with_the_publis
     assert [r.samples[0].token_ids for r in after] != [r.samples[0].token_ids for r in before]
     assert all((r.committed_version, r.staleness) == (1, 0) for r in after)
     for r in after:
-        assert [(s.version, s.start, s.end) for s in r.samples[0].weight_versions] == [("1", 0, 24)]
+        assert [(s.version, s.start, s.end) for s in r.samples[0].weight_versions] == [(1, 0, 24)]
     status = await asyncio.to_thread(publisher.status)
     assert status["committed_version"] == 1
     assert all(r["version"] == 1 for r in status["replicas"].values())
@@ -148,7 +148,7 @@ async def test_a_request_for_a_newer_policy_waits_for_its_commit_and_reports_no_
     assert not held.done()
     version = await asyncio.to_thread(publisher.publish, policy_v1[0].named_parameters())
     (result,) = await asyncio.wait_for(held, 60)
-    assert [s.version for s in result.samples[0].weight_versions] == [str(version)]
+    assert [s.version for s in result.samples[0].weight_versions] == [version]
     assert (result.committed_version, result.staleness) == (version, 0)
     # The next version, but nobody publishes it: a retryable error after the sync deadline, not
     # a hang (over HTTP: a 409 of type stale_weights, the client's StaleWeightsError).
@@ -167,7 +167,7 @@ async def test_in_flight_request_keeps_going_on_the_new_weights_and_its_spans_sh
     model, _ = policy_v2
     prompt, total = [9, 8, 7, 6], 400
     chunks = []
-    serving = str((await asyncio.to_thread(publisher.status))["committed_version"])
+    serving = (await asyncio.to_thread(publisher.status))["committed_version"]
 
     async def consume():
         async for c in handle_client.stream(greedy(prompt, total)):
@@ -181,7 +181,7 @@ async def test_in_flight_request_keeps_going_on_the_new_weights_and_its_spans_sh
     tokens = [t for c in chunks for t in c.token_ids]
     spans = chunks[-1].weight_versions
     assert len(tokens) == total
-    assert [s.version for s in spans] == [serving, str(version)]
+    assert [s.version for s in spans] == [serving, version]
     switch = spans[0].end
     assert spans[0].start == 0 and spans[1].start == switch and spans[1].end == total
     assert 20 <= switch < total
@@ -222,7 +222,7 @@ async def test_after_a_commit_a_long_shared_prompt_is_not_served_from_the_old_ve
     assert queries >= len(LONG_SHARED) and hits == 0, f"{hits} prompt tokens came from blocks computed under the old weights"
     (expected,) = ray.get(reference_v1.greedy.remote([LONG_SHARED], 16, ignore_eos=True))
     assert after.samples[0].token_ids == expected
-    assert [(s.version, s.start, s.end) for s in after.samples[0].weight_versions] == [(str(version), 0, 16)]
+    assert [(s.version, s.start, s.end) for s in after.samples[0].weight_versions] == [(version, 0, 16)]
     cached, hits, _ = await serve_long()
     assert hits >= 256, f"the new version's blocks are reused ({hits} tokens hit)"
     assert cached.samples[0].token_ids == expected
@@ -248,7 +248,7 @@ async def test_a_trainer_that_never_sends_ends_the_round_with_an_error_and_the_n
     assert (await asyncio.to_thread(publisher.status))["committed_version"] == committed
     (after,) = await handle_client.generate([greedy(PROMPTS[1], 16)])
     assert after.samples[0].token_ids == before.samples[0].token_ids
-    assert after.samples[0].weight_versions[0].version == str(committed)
+    assert after.samples[0].weight_versions[0].version == committed
     assert await asyncio.to_thread(publisher.publish, model.named_parameters()) == committed + 1
 
 
@@ -301,7 +301,7 @@ async def test_a_trainer_killed_mid_publish_leaves_every_replica_on_the_last_com
     assert not outcome["committed"] and outcome["error"]
     after = await asyncio.wait_for(handle_client.generate([greedy(p, 16) for p in PROMPTS]), timeout=120)
     assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in before]
-    assert all(r.samples[0].weight_versions[0].version == str(committed) for r in after)
+    assert all(r.samples[0].weight_versions[0].version == committed for r in after)
     status = await asyncio.to_thread(publisher.status)
     reloads = [r for r in status["recent_rounds"] if r["round_id"].startswith(f"reload-{committed}-")]
     assert reloads and all(r["committed"] for r in reloads), status["recent_rounds"]
@@ -373,7 +373,7 @@ async def test_a_rank_that_never_joins_ends_the_round_within_the_deadline_and_it
     assert loop.time() - t0 < 3 * platform.sync.timeout_s + 15
     after = await asyncio.wait_for(handle_client.generate([greedy(p, 16) for p in PROMPTS]), timeout=120)
     assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in before]
-    assert all(r.samples[0].weight_versions[0].version == str(committed) for r in after)
+    assert all(r.samples[0].weight_versions[0].version == committed for r in after)
     # The silent member drops out of membership; the next publish commits without it.
     for _ in range(60):
         if "ghost-replica" not in (await asyncio.to_thread(publisher.status))["replicas"]:
@@ -440,7 +440,7 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
     assert spread.retried_calls >= 1, "some calls were on the victim"
     for r, want in zip(results, expected * 3):
         assert r.replica_id != victim_id and r.samples[0].token_ids == want
-        assert [s.version for s in r.samples[0].weight_versions] == [str(committed)]
+        assert [s.version for s in r.samples[0].weight_versions] == [committed]
     spread.close()
 
     async def all_replicas_on_committed():
@@ -456,7 +456,7 @@ async def test_a_replica_killed_mid_update_fails_the_round_and_every_replica_sta
     for k in range(40):
         results = await asyncio.gather(*(handle_client.generate([greedy(p, 16, f"s{k}-{i}")]) for i, p in enumerate(PROMPTS)))
         for (r,), want in zip(results, expected):
-            assert [s.version for s in r.samples[0].weight_versions] == [str(committed)]
+            assert [s.version for s in r.samples[0].weight_versions] == [committed]
             assert r.samples[0].token_ids == want
             seen.add(r.replica_id)
         if len(seen) == replicas and k >= 7:

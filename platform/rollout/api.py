@@ -180,13 +180,16 @@ class RolloutRequest(_Input):
 class WeightVersionSpan(_Model):
     """Tokens ``[start, end)`` of a sample were produced by policy ``version`` (the base
     weights' version), with LoRA adapter ``adapter`` at ``adapter_version`` when the
-    request named one."""
+    request named one. Both versions are integers, as ``publish*()`` returns them."""
 
-    version: str
+    version: int = Field(
+        description="The committed version of the base weights that produced these tokens: what `WeightPublisher.publish*()` returned for them, "
+        "0 for the checkpoint's own weights (vLLM's label `default`; vLLM's own routes keep its string labels)."
+    )
     start: int
     end: int
     adapter: Optional[str] = None
-    adapter_version: Optional[int] = None
+    adapter_version: Optional[int] = Field(default=None, description="The adapter's committed version (what `publish_adapter` returned for it); null without an adapter.")
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]

@@ -12,6 +12,8 @@ from typing import Optional
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+
     import ray
 
     from rollout.app import deploy
@@ -23,11 +25,18 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout serve: {cfg.app_name!r} cannot start: {refused}", file=sys.stderr, flush=True)
         return 1
     ray.init(address=args.address, namespace="rollout", ignore_reinit_error=True)
+    # A cluster this command started ends with it; one it joined keeps running.
+    own_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
     from rollout.engine import deaths
 
     deaths.forget(cfg.app_name)  # this deployment's deaths only
+    signals = StopSignals()
+    signals.install()
     try:
         deploy(cfg)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the app starts
+        print(f"rollout serve: {cfg.app_name!r} was still starting", file=sys.stderr, flush=True)
+        return stop_serving(cfg.app_name, signals, own_cluster)
     except RuntimeError as e:  # Serve gave up on the app (its replicas failed to start)
         from ray import serve
 
@@ -37,24 +46,124 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout serve: {cfg.app_name!r} did not start: {start_failure(chr(10).join(messages))}", file=sys.stderr, flush=True)
         serve.delete(cfg.app_name)
         return 1
+    signals.serving()
     print(f"serving {cfg.model.name!r} as app {cfg.app_name!r} on http://{cfg.http.host}:{cfg.http.port} (Ctrl-C to stop)", flush=True)
-    stop = False
-
-    def _stop(*_):
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
     watch = DeathWatch(cfg.app_name)
-    try:
-        while not stop:
-            time.sleep(1)
-            watch.poll()
-    except KeyboardInterrupt:
-        pass
+    while not signals.wait(1.0):
+        watch.poll()
+    return stop_serving(cfg.app_name, signals, own_cluster)
+
+
+# How long a stop waits for the app's replicas: Serve's graceful shutdown of a replica
+# (deployment.graceful_shutdown_timeout_s, 30 s: requests in flight finish) and its
+# engine's stop. Past it the command exits; Serve goes on deleting the app.
+STOP_BOUND_S = 45.0
+STOP_NOTE_S = 2.0  # how often a stop says what it still waits for
+
+
+class StopSignals:
+    """SIGTERM and SIGINT (Ctrl-C) of ``rollout serve``: the first asks for a stop (a
+    bounded one: :func:`stop_serving`), the next one exits at once. While the app starts,
+    the first interrupts the start (as ``KeyboardInterrupt``) to stop it."""
+
+    def __init__(self, out=None, exit=None):
+        import os
+        import threading
+
+        self.out = out or sys.stderr
+        self._exit = exit or os._exit
+        self._stop = threading.Event()
+        self._starting = True
+        self.received = 0
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def serving(self) -> None:
+        self._starting = False
+
+    def _on_signal(self, signum: int, frame=None) -> None:
+        self.received += 1
+        name = signal.Signals(signum).name
+        if self.received > 1:
+            print(f"rollout serve: {name} again: exiting now; Serve goes on deleting the app", file=self.out, flush=True)
+            self._exit(130)
+            return
+        self._stop.set()
+        if self._starting:
+            self._starting = False
+            raise KeyboardInterrupt(name)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a stop was asked for, waiting up to ``timeout_s`` for one."""
+        return self._stop.wait(timeout_s)
+
+
+def app_remaining(app: str) -> list[str]:
+    """What of Serve app ``app`` is still there: each deployment with its replicas' states
+    (empty once the app is gone)."""
     from ray import serve
 
-    serve.delete(cfg.app_name)
+    status = serve.status().applications.get(app)
+    if status is None:
+        return []
+    left = []
+    for name, d in status.deployments.items():
+        replicas = ", ".join(f"{n} {str(getattr(state, 'value', state)).lower()}" for state, n in d.replica_states.items() if n)
+        left.append(f"{name} ({replicas or str(getattr(d.status, 'value', d.status)).lower()})")
+    return left or [f"app {app!r} ({str(getattr(status.status, 'value', status.status)).lower()})"]
+
+
+def stop_serving(app: str, signals: StopSignals, own_cluster: bool, bound_s: float = STOP_BOUND_S, note_s: float = STOP_NOTE_S, remaining=None, delete=None, shutdown=None) -> int:
+    """Delete the app and wait for its replicas, at most ``bound_s``, saying every
+    ``note_s`` what it still waits for; then end the local Ray cluster this command started
+    (``own_cluster``). A second signal meanwhile exits at once (:class:`StopSignals`).
+    ``remaining``, ``delete`` and ``shutdown`` stand in for Serve and Ray in tests."""
+    if delete is None:
+        from ray import serve
+
+        delete = lambda: serve.delete(app, _blocking=False)  # noqa: E731
+    if shutdown is None:
+        import ray
+
+        shutdown = ray.shutdown
+    remaining = remaining or (lambda: app_remaining(app))
+    out = signals.out
+    t0 = time.monotonic()
+    print(
+        f"rollout serve: stopping: deleting app {app!r} (requests in flight finish, engines stop; at most {bound_s:.0f} s, Ctrl-C again to exit now)",
+        file=out, flush=True,
+    )
+    try:
+        delete()
+        note = t0 + note_s
+        while True:
+            try:
+                left = remaining()
+            except Exception as e:  # Serve's controller gone: nothing left to wait for here
+                print(f"rollout serve: cannot read the app's status ({type(e).__name__}: {e}); not waiting for it", file=out, flush=True)
+                break
+            now = time.monotonic()
+            if not left:
+                print(f"rollout serve: app {app!r} deleted ({now - t0:.1f} s)", file=out, flush=True)
+                break
+            if now - t0 >= bound_s:
+                print(f"rollout serve: still stopping after {bound_s:.0f} s: {'; '.join(left)}; exiting (Serve goes on deleting the app)", file=out, flush=True)
+                break
+            if now >= note:
+                print(f"rollout serve: waiting for {'; '.join(left)} to stop ({now - t0:.0f} s)", file=out, flush=True)
+                note = now + note_s
+            time.sleep(0.2)
+    finally:
+        if own_cluster:
+            print("rollout serve: ending the local Ray cluster", file=out, flush=True)
+            shutdown()
+    print(f"rollout serve: stopped in {time.monotonic() - t0:.1f} s", file=out, flush=True)
     return 0
 
 

@@ -49,7 +49,16 @@ class EpisodeLostError(RolloutError):
 
 class AdapterNotFoundError(RolloutError):
     """No LoRA adapter of that name is loaded (vLLM's ``/v1/unload_lora_adapter`` answers
-    404 ``NotFoundError`` for it)."""
+    404 ``NotFoundError`` for it). ``field``, where set, names the request's field that
+    holds the name (``WeightPublisher.unload_adapter``: ``name``); vLLM's route names none."""
+
+    def __init__(self, message: str, field: Optional[str] = None):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.field))
 
 
 class EngineUnavailableError(RolloutError):

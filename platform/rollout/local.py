@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,8 +35,21 @@ def cpu_config(model_dir: str | Path, **overrides: Any) -> PlatformConfig:
 
 
 @contextlib.contextmanager
-def local_platform(cfg: PlatformConfig, num_cpus: int = 8) -> Iterator[PlatformConfig]:
-    """Start Ray (logical CPUs, not cores: replicas reserve 1 each), deploy, yield, tear down."""
+def local_platform(cfg: PlatformConfig, num_cpus: int = 8, quiet: bool = False) -> Iterator[PlatformConfig]:
+    """Start Ray (logical CPUs, not cores: replicas reserve 1 each), deploy, yield, tear down.
+
+    ``quiet``: Ray's and Serve's notes of their own progress (a cluster started, an app
+    ready) are not printed here; their warnings and errors are. A cluster it starts has
+    token authentication on, as Ray chooses for a new local cluster, said rather than
+    left to Ray's warning that it chose it.
+
+    Torn down in order: the app deleted, and awaited (its replicas stop their engines),
+    then the cluster this started. ``serve.shutdown()`` is not how: its controller kills
+    itself under the call that asks it to, and the driver's calls still pending on it
+    (that one, Serve's long poll) are each reported as a task of a dead actor."""
+    if quiet and "ray" not in sys.modules:
+        # Read once, as Ray is imported: set later, the driver and the cluster would disagree.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
     from ray import serve
 
@@ -43,13 +58,20 @@ def local_platform(cfg: PlatformConfig, num_cpus: int = 8) -> Iterator[PlatformC
     started = not ray.is_initialized()
     if started:
         # Ray's metrics agent serves every process's metrics on this port.
-        ray.init(num_cpus=num_cpus, namespace="rollout", log_to_driver=False, _metrics_export_port=cfg.metrics.port)
+        ray.init(
+            num_cpus=num_cpus, namespace="rollout", log_to_driver=False, _metrics_export_port=cfg.metrics.port,
+            logging_level=logging.WARNING if quiet else logging.INFO,
+        )
+    if quiet:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     try:
         deploy(cfg)
         yield cfg
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            if started:
-                ray.shutdown()
+        if started:
+            try:
+                serve.delete(cfg.app_name)
+            finally:
+                ray.shutdown()  # the driver leaves first, then the cluster's processes end
+        else:
+            serve.shutdown()  # a cluster of the caller's: Serve goes, the cluster stays

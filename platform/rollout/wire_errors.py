@@ -7,7 +7,8 @@ retrying the same call can help. The ingress's exception handlers (encode), the 
 coordinator client (decode) all read this table; none keeps a mapping of its own.
 
 The body is always ``{"error": {"message": ..., "type": ..., "field": ...}}``
-(:class:`rollout.api.ErrorResponse`; ``field`` only for invalid requests).
+(:class:`rollout.api.ErrorResponse`; ``field`` only for invalid requests, and for an
+adapter not found where the request has a field naming it).
 
 Bottom layer: imports only ``rollout.errors``, ``rollout.api`` and ``rollout.contracts.sync_protocol``.
 """
@@ -140,7 +141,8 @@ def encode(err: BaseException) -> Answer:
     headers = {}
     if isinstance(err, OverloadedError) and err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    field = err.field if isinstance(err, InvalidRequestError) else None
+    # An adapter not found names the field that held its name where the route has one.
+    field = err.field if isinstance(err, (InvalidRequestError, AdapterNotFoundError)) else None
     return Answer(row.status, body(row, str(err), field), headers)
 
 
@@ -183,6 +185,9 @@ def decode(status: int, content: bytes, headers: Mapping[str, str]) -> Optional[
         field = str(detail.get("field", "request"))
         # The body's message names the field already (it is the error's str()).
         return row.error(field, message.removeprefix(f"{field}: "))
+    if issubclass(row.error, AdapterNotFoundError) and detail.get("field"):
+        field = str(detail["field"])
+        return row.error(message.removeprefix(f"{field}: "), field)
     if issubclass(row.error, OverloadedError):
         retry_after = headers.get("retry-after")
         return row.error(message, float(retry_after) if retry_after else None)

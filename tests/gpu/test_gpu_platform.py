@@ -216,13 +216,13 @@ def coordinator_status(app: str) -> dict:
     return WeightPublisher.connect(app_name=app).status()
 
 
-def greedy_per_replica(client, replica_ids, tag: str) -> tuple[dict[str, list[Optional[list[int]]]], set[str]]:
+def greedy_per_replica(client, replica_ids, tag: str) -> tuple[dict[str, list[Optional[list[int]]]], set[int]]:
     """Greedy tokens of every prompt from every replica in ``replica_ids`` (None where it
     never answered that prompt), and the weight versions the samples' spans name. Each
     request goes alone, in a session of its own, so the router's rendezvous hashing sends
     the prompt to replica after replica until each has answered it."""
     got: dict[str, list[Optional[list[int]]]] = {rid: [None] * len(PROMPTS) for rid in replica_ids}
-    spans: set[str] = set()
+    spans: set[int] = set()
     for i, p in enumerate(PROMPTS):
         for attempt in range(FLEET_ATTEMPTS):
             if all(got[rid][i] is not None for rid in replica_ids):
@@ -696,7 +696,7 @@ def test_nccl_publish_from_the_second_gpu_serves_exactly_the_published_weights(s
     torch.cuda.empty_cache()
     assert got == want, first_mismatch(got, want)
     assert got != reference_v0, "the published weights did not change the served tokens"
-    assert spans == {str(version)}, spans
+    assert spans == {version}, spans
     assert [p["group_kept"] for p in phases] == [False] + [True] * (PUBLISHES - 1), "the first publish forms the NCCL group; the steady ones keep it"
 
 
@@ -759,7 +759,7 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
     stage.commit_perturbed(app, perturbed)
     assert version == before + 3, (before, version)
     assert got == reference_v0, first_mismatch(got, reference_v0)
-    assert spans == {str(version)}, spans
+    assert spans == {version}, spans
 
 
 # ---- trainer killed mid-publish ------------------------------------------------
@@ -883,7 +883,7 @@ def test_a_replica_added_after_a_commit_serves_the_committed_version_from_the_ch
                 mismatches.append((r.replica_id, first_mismatch([r.samples[0].token_ids], [w])))
             if r.replica_id == new_id:
                 seen_new += 1
-                assert {s.version for s in r.samples[0].weight_versions} == {str(committed)}
+                assert {s.version for s in r.samples[0].weight_versions} == {committed}
         if seen_new >= len(PROMPTS):
             break
     record(results_from_new_replica=seen_new, mismatches=mismatches[:5])
@@ -1061,7 +1061,7 @@ def test_a_tensor_parallel_replica_serves_like_a_fresh_tp_engine_and_takes_a_glo
         got = tokens(results)
         record(publish_s=round(publish_s, 3), version=version, phases=pub.last_outcome.phases, greedy_after_publish=first_mismatch(got, want))
         assert got == want, first_mismatch(got, want)
-        assert {s.version for r in results for s in r.samples[0].weight_versions} == {str(version)}
+        assert {s.version for r in results for s in r.samples[0].weight_versions} == {version}
     finally:
         stop(reference)
 
@@ -1171,6 +1171,6 @@ def test_fleet_publish_time_stays_flat_from_one_to_three_replicas(stage, perturb
     for p in points:
         assert set(p["greedy"]) == set(p["members"]), f"{p['replicas']} replicas: answers came from {sorted(p['greedy'])}, the coordinator lists {sorted(p['members'])}"
         assert all(v == "equal" for v in p["greedy"].values()), f"{p['replicas']} replicas: {p['greedy']}"
-        assert p["served_spans"] == [str(p["version"])], f"{p['replicas']} replicas: spans {p['served_spans']}, committed {p['version']}"
+        assert p["served_spans"] == [p["version"]], f"{p['replicas']} replicas: spans {p['served_spans']}, committed {p['version']}"
         assert all(p["group_kept"][1:]), f"{p['replicas']} replicas: the steady publishes formed NCCL groups again: {p['group_kept']}"
     assert ratio <= FLEET_GOAL, f"publish into {last_n} replicas took {ratio}x the one into {first_n} (steady {steady[last_n]} s against {steady[first_n]} s); goal <= {FLEET_GOAL}x"

@@ -82,7 +82,7 @@ class _Replica:
     async def counters(self) -> tuple[float, float]:
         return await settled_prefix_counters(self.metrics_url, self.app)
 
-    async def call(self, prompt: list[int]) -> str:
+    async def call(self, prompt: list[int]) -> int:
         """One call of ``prompt``; the version that served it."""
         (r,) = await self.client.generate([RolloutRequest(prompt_token_ids=prompt, sampling=_sampling())])
         return r.samples[0].weight_versions[0].version

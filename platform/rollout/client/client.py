@@ -161,6 +161,9 @@ class RolloutClient:
     def generate_sync(self, requests: Sequence[RequestLike]) -> list[RolloutResult]:
         return self._loop().run(self.generate(requests))
 
+    def stats_sync(self) -> ReplicaLoad:
+        return self._loop().run(self.stats())
+
     def stream_sync(self, request: RequestLike) -> Iterator[RolloutChunk]:
         loop = self._loop()
         agen = self._token_stream(request).__aiter__()

@@ -50,6 +50,9 @@ class ReplicaLoad(BaseModel):
     weight_version: Optional[str] = None  # policy version served, as vLLM labels it (rollout.contracts.version)
     max_num_seqs: Optional[int] = None  # sequences the engine batches at most
     updated_at: Optional[float] = None  # wall-clock time of the last engine step seen
+    # The highest kv_cache_usage the engine reported since the replica's current run of
+    # in-flight requests began (idle: in its last one), 0-1: what a burst of work used.
+    kv_cache_usage_peak: Optional[float] = None
 
     @property
     def sequences(self) -> Optional[Count]:

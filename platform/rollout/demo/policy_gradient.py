@@ -51,4 +51,4 @@ def policy_gradient_step(model: torch.nn.Module, optimizer: torch.optim.Optimize
     loss.backward()
     optimizer.step()
     model.eval()
-    return float(loss)
+    return loss.item()  # the number, not the graph (float() of a tensor that requires grad warns)

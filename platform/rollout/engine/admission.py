@@ -56,12 +56,16 @@ class InFlight:
         # here, not from the engine's last step (which, for the first requests after a
         # slow start, is the engine's start).
         self.busy_since = time.monotonic()
+        # Called as a run of in-flight requests begins (the replica restarts its KV-cache
+        # peak there: rollout.engine.stats.SchedulerSnapshot.new_busy_period).
+        self.on_busy: Callable[[], None] = lambda: None
 
     @contextlib.contextmanager
     def counted(self, n: int) -> Iterator[None]:
         """``n`` requests in flight for the ``with`` block, however it ends."""
         if self.count == 0:
             self.busy_since = time.monotonic()
+            self.on_busy()
         self.count += n
         try:
             yield

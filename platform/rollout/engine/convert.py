@@ -10,6 +10,7 @@ from vllm.sampling_params import RequestOutputKind
 from rollout.api import RolloutChunk, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
 from rollout.errors import InvalidRequestError
 from rollout.sync.adapters import ServedAdapter
+from rollout.contracts.version import version_of
 
 
 def to_structured_outputs(so: Optional[StructuredOutputs]) -> Any:
@@ -69,8 +70,10 @@ def spans(completion: Any, lora: Optional[ServedAdapter] = None) -> list[WeightV
     """vLLM's per-token version spans, each naming the adapter version the request ran
     with: fixed for the request's life (a commit serves the next request)."""
     named = {"adapter": lora.name, "adapter_version": lora.version} if lora is not None else {}
+    # vLLM labels versions with strings ("default", then the numbers this platform sets):
+    # ours are the integers publishes return.
     return [
-        WeightVersionSpan(version=str(s.version), start=s.start, end=s.end, **named)
+        WeightVersionSpan(version=version_of(s.version), start=s.start, end=s.end, **named)
         for s in (completion.weight_versions or [])
     ]
 

@@ -119,6 +119,7 @@ class RolloutEngine:
         self.rewards = rewards
         self.metrics = metrics  # rollout.metrics.EngineMetrics, when metrics are on
         self.admission = Admission(config.limits, adapter.limits, adapter.prompt_ids, rewards, metrics)
+        self.admission.inflight.on_busy = adapter.snapshot.new_busy_period
 
     @staticmethod
     def _serve_replica_id() -> str:
@@ -234,7 +235,7 @@ class RolloutEngine:
         if turn is None:  # (an episode is scored when it ends, not turn by turn)
             samples = await self._scored(req, samples)
         committed = self.gate.known_committed
-        versions = [version_of(sp.version) for sample in samples for sp in sample.weight_versions]
+        versions = [sp.version for sample in samples for sp in sample.weight_versions]
         return RolloutResult(
             request_id=req.request_id,
             prompt_token_ids=prompt_ids,
@@ -366,6 +367,7 @@ class RolloutEngine:
             running=0 if idle else s.running,
             waiting=0 if idle else s.waiting,
             kv_cache_usage=0.0 if idle else s.kv_cache_usage,
+            kv_cache_usage_peak=s.kv_cache_usage_peak,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             inflight_requests=self.admission.inflight.count,

@@ -19,6 +19,10 @@ class SchedulerSnapshot:
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage = 0.0
+        # The highest kv_cache_usage since the replica's current run of in-flight requests
+        # began (new_busy_period), or, idle, in its last one: what a short burst of work
+        # used, which a reader polling kv_cache_usage misses between two engine steps.
+        self.kv_cache_usage_peak = 0.0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.last_step_monotonic = time.monotonic()
@@ -31,12 +35,19 @@ class SchedulerSnapshot:
             self.running = scheduler_stats.num_running_reqs
             self.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
             self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            self.kv_cache_usage_peak = max(self.kv_cache_usage_peak, self.kv_cache_usage)
             self.prefix_cache_queries += queries
             self.prefix_cache_hits += hits
             self.last_step_monotonic = time.monotonic()
             self.last_step_wall = time.time()
         if self.metrics is not None:
             self.metrics.prefix_cache(queries, hits)
+
+    def new_busy_period(self) -> None:
+        """Requests arrived at a replica serving none: the peak starts again (the engine's
+        next step reports what they use)."""
+        with self._lock:
+            self.kv_cache_usage_peak = 0.0
 
     def seconds_since_step(self) -> float:
         return time.monotonic() - self.last_step_monotonic

@@ -24,7 +24,8 @@ from rollout.logs import show_platform_logs
 from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.sync.auth import SYNC_TOKEN_HEADER, AccessPolicy, Operation, SyncAuth
 from rollout.sync.coordinator_client import CoordinatorHandle
-from rollout.sync.remote import OUTCOME, PLAN, STORAGE_PLAN, AdapterBody, BeginRoundBody, FinishBody, StorageRoundBody
+from rollout.contracts.sync_protocol import SyncError
+from rollout.sync.remote import OUTCOME, PLAN, STORAGE_PLAN, AdapterBody, AdapterRemovalBody, BeginRoundBody, FinishBody, StorageRoundBody
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ SESSION_HEADER = "X-Session-ID"  # what agent frameworks send to keep a conversa
 
 from rollout.http.routes_app import EPISODE_ERRORS, HEALTH_ERRORS, REQUEST_ERRORS, STATS_ERRORS, SYNC_ERRORS, admit, app  # noqa: E402  (the routes below and in rl_routes share it)
 from rollout.http.rl_routes import VllmRlRoutes  # noqa: E402
+
+# An unload also answers 404 for an adapter not published (naming `name`).
+ADAPTER_SYNC_ERRORS = {**SYNC_ERRORS, **wire.responses(wire.ADAPTER_NOT_FOUND)}
 
 
 class NdjsonResponse(StreamingResponse):
@@ -242,6 +246,13 @@ class HttpIngress(VllmRlRoutes):
     async def sync_publish_adapter(self, body: AdapterBody, token: SyncCredential) -> dict:
         # One call: nothing is sent besides the body, so the answer is the round's outcome.
         outcome = await self._coordinator().publish_adapter(token, body.request())
+        return OUTCOME.dump_python(outcome, mode="json")
+
+    @app.post("/v1/sync/adapter-removals", responses=ADAPTER_SYNC_ERRORS)
+    async def sync_unload_adapter(self, body: AdapterRemovalBody, token: SyncCredential) -> dict:
+        # One call, like a publish: every replica stops serving it, all or none; the answer
+        # is the round's outcome (404 naming `name` for an adapter not published).
+        outcome = await self._coordinator().unload_adapter(token, body.name)
         return OUTCOME.dump_python(outcome, mode="json")
 
     @app.post("/v1/sync/rounds/{round_id}/finish", responses=SYNC_ERRORS)

@@ -78,7 +78,7 @@ class Tally:
     untyped: list[str] = field(default_factory=list)
     hung: int = 0
     lost: int = 0
-    versions_seen: set[str] = field(default_factory=set)
+    versions_seen: set[int] = field(default_factory=set)
 
     def record(self, path: str, error: Optional[BaseException], n: int = 1) -> None:
         if error is None:
@@ -115,7 +115,7 @@ async def _call(tally: Tally, path: str, n: int, fn: Callable[[], Awaitable[Any]
     return None
 
 
-def _spans(samples) -> set[str]:
+def _spans(samples) -> set[int]:
     return {sp.version for s in samples for sp in s.weight_versions}
 
 
@@ -400,7 +400,7 @@ async def soak(run: SoakRun) -> dict[str, Any]:
     # What the trainer saw committed, and what the coordinator said it committed (a round it
     # decided just before it was killed commits without the trainer hearing of it).
     committed = set(trainer.committed) | committed_seen | {0, status["committed_version"]}
-    uncommitted = sorted(v for v in tally.versions_seen if not v.isdigit() or int(v) not in committed)
+    uncommitted = sorted(v for v in tally.versions_seen if v not in committed)
     for c in (handle, http, probe):
         c.close()
     memory = _memory_growth(memory_start, memory_end)
@@ -429,7 +429,7 @@ async def soak(run: SoakRun) -> dict[str, Any]:
         "hung": tally.hung,
         "lost": tally.lost,
         "publishes": {"committed": len(trainer.committed), "failed": len(trainer.failed), "failures": trainer.failed[:20], "trainer_crashes": trainer.crashes[:5]},
-        "versions_seen": sorted(tally.versions_seen, key=lambda v: (len(v), v)),
+        "versions_seen": sorted(tally.versions_seen),
         "uncommitted_versions_seen": uncommitted,
         "faults": faults,
         "memory_by_role": memory,

@@ -24,6 +24,7 @@ from typing import Any, Optional, Union
 
 from rollout.config import PlatformConfig
 from rollout.contracts.sync_protocol import REREGISTER, AdapterRemovalRound, AdapterRequest, AdapterRound, CommittedAdapters, Control, FinishUpdate, FleetQuery, HeldAdapter, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
+from rollout.errors import AdapterNotFoundError
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
 from rollout.sync.membership import Membership
@@ -128,6 +129,23 @@ class WeightSyncCoordinator:
         the field or the tensor, before any replica changes."""
         await self._authorize(token)
         return await self._publish_adapter(request, inplace=True)
+
+    async def unload_adapter(self, token: Optional[str], name: str) -> RoundOutcome:
+        """Unload LoRA adapter ``name`` (``WeightPublisher.unload_adapter``): every live
+        replica stops serving it, all or none, and the store forgets it, so a replica that
+        starts later does not load it; returns the decision once every member stopped
+        serving it (committed: ``version`` 0; aborted: the adapter's version, still served
+        everywhere). :class:`AdapterNotFoundError` naming ``name`` when no version of it
+        is committed. A later publish of ``name`` continues after the version removed."""
+        await self._authorize(token)
+        self._check_lora()
+        try:
+            return await self.rounds.remove_adapter(name)
+        except AdapterNotFoundError:
+            published = sorted(self.store.adapter_versions())
+            raise AdapterNotFoundError(
+                f"{name!r} is not a published LoRA adapter (published: {', '.join(map(repr, published)) or 'none'})", field="name"
+            ) from None
 
     def _check_lora(self) -> None:
         if not self.config.model.lora.enabled:

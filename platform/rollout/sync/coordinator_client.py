@@ -90,6 +90,9 @@ class CoordinatorHandle:
     async def publish_adapter(self, token: Optional[str], request: AdapterRequest) -> RoundOutcome:
         return await _answer(self._handle.publish_adapter.remote(token, request))
 
+    async def unload_adapter(self, token: Optional[str], name: str) -> RoundOutcome:
+        return await _answer(self._handle.unload_adapter.remote(token, name))
+
     async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
         return await _answer(self._handle.finish.remote(token, round_id, error, *_trailing(digests)))
 
@@ -143,6 +146,9 @@ class BlockingCoordinatorHandle:
 
     def publish_adapter(self, token: Optional[str], request: AdapterRequest, timeout_s: Optional[float] = None) -> RoundOutcome:
         return self._result(lambda: self.handle.publish_adapter.remote(token, request), "publish_adapter", timeout_s)
+
+    def unload_adapter(self, token: Optional[str], name: str, timeout_s: Optional[float] = None) -> RoundOutcome:
+        return self._result(lambda: self.handle.unload_adapter.remote(token, name), "unload_adapter", timeout_s)
 
     def finish(
         self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None

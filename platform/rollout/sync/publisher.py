@@ -402,6 +402,35 @@ class WeightPublisher:
             logger.warning("adapter %r version %d committed, but %s did not confirm serving it within the step deadline", name, outcome.version, outcome.unconfirmed)
         return outcome.version
 
+    def unload_adapter(self, name: str) -> None:
+        """Unload LoRA adapter ``name``: every live replica stops serving it, all or none
+        (a request naming it is then refused, 400 naming ``adapter``), and the coordinator
+        forgets it, so replicas that start later do not load it. Returns once every replica
+        stopped serving it. A later :meth:`publish_adapter` of ``name`` continues after the
+        version removed (``math@3`` never names other weights than it did).
+
+        Raises ``AdapterNotFoundError`` (``field`` ``"name"``) when no version of ``name``
+        is published, before any replica changes; ``SyncError`` when LoRA is off
+        (``model.lora.enabled``) or the round fails: every replica keeps serving the
+        adapter's committed version.
+        """
+        t0 = time.perf_counter()
+        try:
+            outcome = self._coordinator.unload_adapter(self._token, name)
+        except CoordinatorUnreachableError as e:
+            raise CoordinatorUnreachableError(
+                f"unloading adapter {name!r}: {e}. The round aborts at its deadline (replicas keep serving it) unless it was decided; "
+                "status()['adapters'] lists the committed adapters once the coordinator answers"
+            ) from None
+        self.last_outcome = outcome
+        self.last_phases = {"commit": time.perf_counter() - t0}
+        self.last_group_kept = False
+        if not outcome.committed:
+            raise SyncError(f"{outcome.round_id} aborted: {outcome.error}; every replica keeps serving adapter {name!r} version {outcome.version}")
+        self.last_sync_s = time.perf_counter() - t0
+        if outcome.unconfirmed:
+            logger.warning("adapter %r unloaded, but %s did not confirm within the step deadline", name, outcome.unconfirmed)
+
     def _start_copy(self, sender: CopySender, plan: PushRound) -> None:
         """Send the coordinator's copy of the committed round in the background: every
         replica already serves it, and a replica that needs catching up meanwhile waits

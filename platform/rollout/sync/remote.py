@@ -219,6 +219,14 @@ class AdapterBody(BaseModel):
         return AdapterRequest(name=self.name, config=self.config, tensors=tensors, version=self.version)
 
 
+class AdapterRemovalBody(BaseModel):
+    """Body of ``POST /v1/sync/adapter-removals``: unload a LoRA adapter from every replica
+    (``WeightPublisher.unload_adapter``); the answer is the round's outcome."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=128, description="The published adapter to unload (404 `adapter_not_found` naming `name` when none of that name is published).")
+
+
 class FinishBody(BaseModel):
     """Body of ``POST /v1/sync/rounds/{round_id}/finish``: the trainer sent everything
     (``error`` null) or gives up, which aborts the round."""
@@ -243,6 +251,8 @@ class CoordinatorClient(Protocol):
     def begin_storage(self, token: Optional[str], request: StorageRequest) -> StorageRound: ...
 
     def publish_adapter(self, token: Optional[str], request: AdapterRequest, timeout_s: Optional[float] = None) -> RoundOutcome: ...
+
+    def unload_adapter(self, token: Optional[str], name: str, timeout_s: Optional[float] = None) -> RoundOutcome: ...
 
     def finish(
         self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
@@ -305,6 +315,10 @@ class HttpCoordinator:
     def publish_adapter(self, token: Optional[str], request: AdapterRequest, timeout_s: Optional[float] = None) -> RoundOutcome:
         body = AdapterBody.of(request).model_dump(mode="json")
         return OUTCOME.validate_python(self._post("/v1/sync/adapter-rounds", body, token, timeout_s))
+
+    def unload_adapter(self, token: Optional[str], name: str, timeout_s: Optional[float] = None) -> RoundOutcome:
+        body = AdapterRemovalBody(name=name).model_dump(mode="json")
+        return OUTCOME.validate_python(self._post("/v1/sync/adapter-removals", body, token, timeout_s))
 
     def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
         return self._request("GET", "/v1/sync/status", timeout_s)
