@@ -381,23 +381,13 @@ class WeightPublisher:
         tensor (``tensors["..."]``) before any replica changes, and ``SyncError`` when the
         round fails: every replica keeps serving the adapter's version before.
         """
-        t0 = time.perf_counter()
         request = AdapterRequest(name=name, config=config_json(config), tensors=encode_tensors(tensors), version=version)
-        try:
-            # Checked, loaded and decided in one call: the coordinator bounds it (the
-            # round's deadline, then a step for the members to serve it).
-            outcome = self._coordinator.publish_adapter(self._token, request)
-        except CoordinatorUnreachableError as e:
-            raise CoordinatorUnreachableError(
-                f"publishing adapter {name!r}: {e}. The round aborts at its deadline (replicas keep the adapter's committed version) "
-                "unless it was decided; status()['adapters'] has the committed versions once the coordinator answers"
-            ) from None
-        self.last_outcome = outcome
-        self.last_phases = {"commit": time.perf_counter() - t0}
-        self.last_group_kept = False
-        if not outcome.committed:
-            raise SyncError(f"{outcome.round_id} aborted: {outcome.error}; replicas keep adapter {name!r} version {outcome.version}")
-        self.last_sync_s = time.perf_counter() - t0
+        outcome = self._adapter_round(
+            lambda: self._coordinator.publish_adapter(self._token, request),
+            unreachable=f"publishing adapter {name!r}",
+            kept="replicas keep the adapter's committed version",
+            aborted=f"replicas keep adapter {name!r}",
+        )
         if outcome.unconfirmed:
             logger.warning("adapter %r version %d committed, but %s did not confirm serving it within the step deadline", name, outcome.version, outcome.unconfirmed)
         return outcome.version
@@ -414,22 +404,35 @@ class WeightPublisher:
         (``model.lora.enabled``) or the round fails: every replica keeps serving the
         adapter's committed version.
         """
+        outcome = self._adapter_round(
+            lambda: self._coordinator.unload_adapter(self._token, name),
+            unreachable=f"unloading adapter {name!r}",
+            kept="replicas keep serving it",
+            aborted=f"every replica keeps serving adapter {name!r}",
+        )
+        if outcome.unconfirmed:
+            logger.warning("adapter %r unloaded, but %s did not confirm within the step deadline", name, outcome.unconfirmed)
+
+    def _adapter_round(self, call, *, unreachable: str, kept: str, aborted: str) -> RoundOutcome:
+        """One adapter round (a publish or an unload), checked, run and decided in one
+        coordinator call, which bounds it (the round's deadline, then a step for the members
+        to serve it). Returns the committed outcome; raises ``SyncError`` naming what every
+        replica keeps when it aborted."""
         t0 = time.perf_counter()
         try:
-            outcome = self._coordinator.unload_adapter(self._token, name)
+            outcome = call()
         except CoordinatorUnreachableError as e:
             raise CoordinatorUnreachableError(
-                f"unloading adapter {name!r}: {e}. The round aborts at its deadline (replicas keep serving it) unless it was decided; "
+                f"{unreachable}: {e}. The round aborts at its deadline ({kept}) unless it was decided; "
                 "status()['adapters'] lists the committed adapters once the coordinator answers"
             ) from None
         self.last_outcome = outcome
         self.last_phases = {"commit": time.perf_counter() - t0}
         self.last_group_kept = False
         if not outcome.committed:
-            raise SyncError(f"{outcome.round_id} aborted: {outcome.error}; every replica keeps serving adapter {name!r} version {outcome.version}")
+            raise SyncError(f"{outcome.round_id} aborted: {outcome.error}; {aborted} version {outcome.version}")
         self.last_sync_s = time.perf_counter() - t0
-        if outcome.unconfirmed:
-            logger.warning("adapter %r unloaded, but %s did not confirm within the step deadline", name, outcome.unconfirmed)
+        return outcome
 
     def _start_copy(self, sender: CopySender, plan: PushRound) -> None:
         """Send the coordinator's copy of the committed round in the background: every
