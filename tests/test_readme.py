@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rollout.config_docs import BEGIN, END, render
@@ -33,6 +34,60 @@ def test_readme_shows_the_two_commands_and_ci_runs_the_test_command():
     assert "make test" in text and "make demo" in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert "step test" in ci and "step docs" in ci
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def test_the_readmes_commands_name_targets_subcommands_flags_and_paths_that_exist():
+    import contextlib
+    import io
+    import tomllib
+
+    from rollout.cli import main
+
+    text = README.read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    lines = [line.split("#")[0].strip() for block in _blocks(text, "bash") for line in block.splitlines()]
+    lines = [part.strip() for line in lines for part in line.split("&&") if part.strip()]
+    assert len(lines) >= 6
+    for line in lines:
+        words = line.split()
+        if words[0] == "make":
+            assert re.search(rf"^{re.escape(words[1])}:", makefile, flags=re.M), line
+        elif words[0] == "rollout":
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+                main([words[1], "--help"])
+            assert e.value.code == 0, line
+            assert [w for w in words[2:] if w.startswith("--") and w not in out.getvalue()] == [], line
+        elif words[0] == "pip" and "-e" in words:
+            named = re.search(r"\.\[([\w,]+)\]", line).group(1).split(",")
+            assert set(named) <= set(extras), line
+        elif words[0] == "helm" and words[1] == "install":
+            assert (ROOT / words[3] / "Chart.yaml").is_file(), line
+        elif words[0] not in ("pip", "kubectl", "helm"):
+            raise AssertionError(f"a README command this test does not know: {line}")
+
+
+def test_the_readmes_python_names_what_the_package_exports():
+    import importlib
+
+    code = "\n".join(_blocks(README.read_text(), "python"))
+    imported = {}
+    for module, names in re.findall(r"^from ([\w.]+) import ([\w, ]+)$", code, flags=re.M):
+        for name in (n.strip() for n in names.split(",")):
+            imported[name] = getattr(importlib.import_module(module), name)
+    assert {"RolloutClient", "WeightPublisher", "RolloutRequest", "SamplingConfig"} <= set(imported)
+    # Commented lines too: the other way to connect is shown as a comment.
+    instances = {var: imported[cls] for var, cls in re.findall(r"(\w+) = (\w+)\.\w+\(", code) if cls in imported}
+    called = re.findall(r"\b(\w+)\.(\w+)\(", code)
+    missing = [f"{obj}.{attr}" for obj, attr in called if obj in imported and not hasattr(imported[obj], attr)]
+    missing += [f"{obj}.{attr}" for obj, attr in called if obj in instances and not hasattr(instances[obj], attr)]
+    assert missing == []
+    assert {obj for obj, _ in called} >= {"client", "publisher", "RolloutClient", "WeightPublisher"}
 
 
 def test_readme_is_a_front_page_whose_links_reach_every_page():
