@@ -159,6 +159,11 @@ class RolloutRequest(_Input):
         description="Generate only with policy version >= this; a replica still behind holds the request until it serves it (up to `sync.timeout_s`), then fails it as retryable. "
         "A version that no publish can bring without a new one beginning (above the committed version + 1 and the version of the round in progress) is refused at once (400).",
     )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="Return the experts a mixture-of-experts model routed each token of every sample to (`Sample.routed_experts`, for router replay in training). "
+        "Needs `model.return_routed_experts` on a MoE model on GPU; elsewhere refused (400 naming this field).",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_prompt(self) -> "RolloutRequest":
@@ -192,6 +197,73 @@ class WeightVersionSpan(_Model):
     adapter_version: Optional[int] = Field(default=None, description="The adapter's committed version (what `publish_adapter` returned for it); null without an adapter.")
 
 
+# How a MoE model's expert ids travel (vLLM's own choice: uint8 up to 256 experts, else uint16).
+RoutedExpertsDtype = Literal["uint8", "uint16"]
+
+
+class RoutedExperts(_Model):
+    """The experts a mixture-of-experts model's router chose (router replay, "R3"): for each
+    token, each MoE layer's ``top_k`` expert ids, as the engine ran the token through the model.
+
+    ``data`` is base64 of a C-order little-endian ``dtype`` array of ``shape``
+    ``[num_tokens, num_layers, top_k]``; row ``i`` belongs to token ``start + i`` of the
+    sequence it covers (a sample's ``prompt_token_ids + token_ids``; an episode's
+    trajectory). The sequence's last token has no row: it was sampled, never fed through the
+    model (a trainer that forwards it may route it freely: no loss reads its output).
+    :meth:`to_numpy` decodes it."""
+
+    start: int = Field(ge=0, description="Position of the first row's token in the sequence it covers.")
+    shape: List[int] = Field(min_length=3, max_length=3, description="`[num_tokens, num_layers, top_k]`.")
+    dtype: RoutedExpertsDtype = Field(description="Element type: `uint8` (models of at most 256 experts) or `uint16`; little-endian.")
+    data: str = Field(description="Base64 of the array's bytes (C order, little-endian).")
+
+    @model_validator(mode="after")
+    def _data_fits_shape(self) -> "RoutedExperts":
+        import math
+
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"shape {self.shape}: negative dimension")
+        want = math.prod(self.shape) * (1 if self.dtype == "uint8" else 2)
+        # Checked by length (4 base64 characters per 3 bytes, padded), not decoded: every
+        # hop validates the model, and to_numpy decodes (strictly) where it is read.
+        if len(self.data) != 4 * ((want + 2) // 3):
+            raise ValueError(f"data holds {len(self.data)} base64 characters; shape {self.shape} of {self.dtype} needs {4 * ((want + 2) // 3)}")
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[0]
+
+    @classmethod
+    def from_numpy(cls, array: Any, start: int = 0) -> "RoutedExperts":
+        """``array``: ``[num_tokens, num_layers, top_k]`` of expert ids (any integer dtype whose
+        values fit: uint8 when every id is below 256, else uint16)."""
+        import base64
+
+        import numpy as np
+
+        a = np.asarray(array)
+        if a.ndim != 3:
+            raise ValueError(f"routed experts must be [num_tokens, num_layers, top_k]; got shape {a.shape}")
+        if a.size and (a.min() < 0 or a.max() > 0xFFFF):
+            raise ValueError(f"expert ids outside 0..65535 ({a.min()}..{a.max()})")
+        if a.dtype == np.uint8 or a.dtype == np.uint16:
+            dtype = a.dtype.name  # as the engine chose it (by the model's expert count)
+        else:
+            dtype = "uint8" if a.size == 0 or a.max() < 256 else "uint16"
+        data = np.ascontiguousarray(a, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+        return cls(start=start, shape=list(a.shape), dtype=dtype, data=base64.b64encode(data).decode("ascii"))
+
+    def to_numpy(self) -> Any:
+        """The array (numpy, native ``dtype``), ``[num_tokens, num_layers, top_k]``."""
+        import base64
+
+        import numpy as np
+
+        raw = np.frombuffer(base64.b64decode(self.data, validate=True), dtype=np.dtype(self.dtype).newbyteorder("<"))
+        return raw.astype(self.dtype).reshape(self.shape)
+
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -210,6 +282,11 @@ class Sample(_Scored):
     stop_reason: Union[str, int, None] = Field(default=None, description="The stop string or token id that ended the sample, if any.")
     text: Optional[str] = None
     weight_versions: List[WeightVersionSpan] = Field(default_factory=list)
+    routed_experts: Optional[RoutedExperts] = Field(
+        default=None,
+        description="When the request asked (`return_routed_experts`): the experts routed for `prompt_token_ids + token_ids` from `start` "
+        "(0 for a rollout; in an episode's turn, the trajectory position where this turn's new rows begin), every token but the last; null otherwise.",
+    )
 
 
 class RolloutResult(_Model):
@@ -245,6 +322,9 @@ class RolloutChunk(_Scored):
     stop_reason: Union[str, int, None] = None
     weight_versions: List[WeightVersionSpan] = Field(default_factory=list)
     prompt_token_ids: Optional[List[int]] = Field(default=None, description="Set on the first chunk of the request only.")
+    routed_experts: Optional[RoutedExperts] = Field(
+        default=None, description="On a sample's last chunk, when the request asked (`return_routed_experts`): the whole sample's, as `Sample.routed_experts`."
+    )
 
 
 class EpisodeStart(_Input):
@@ -266,6 +346,11 @@ class EpisodeStart(_Input):
         default=None,
         description="A published LoRA adapter to generate every turn with, by name: each turn takes its newest committed version when the turn starts, as each turn "
         "takes the base weights' (each turn's `weight_versions` spans name it). None: the base model. An adapter not published is refused (400 naming `adapter`).",
+    )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="Every turn returns the experts routed for its new trajectory tokens (`TurnResult.sample.routed_experts`, rows from its `start`), "
+        "and the trajectory all of them (`Trajectory.routed_experts`). Needs `model.return_routed_experts` (as `RolloutRequest.return_routed_experts`).",
     )
 
 
@@ -335,6 +420,11 @@ class Trajectory(_Scored):
     loss_mask: List[int] = Field(description="1 for the model's tokens, 0 for everything rendered from messages.")
     logprobs: List[Optional[float]] = Field(description="The model's logprob of each of its tokens; null for the others.")
     turns: List[ModelTurnSpan]
+    routed_experts: Optional[RoutedExperts] = Field(
+        default=None,
+        description="When the episode asked (`EpisodeStart.return_routed_experts`): the experts routed for every trajectory token from 0 but the last, "
+        "each row as the turn that first ran the token through the model routed it; null otherwise.",
+    )
 
 
 class RolloutBatch(_Input):

@@ -42,6 +42,17 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# Why the CPU refuses what only GPU engines offer (config validation, replica start, requests say the same).
+CPU_NO_ROUTED_EXPERTS = (
+    "not on CPU: vLLM 0.32 returns routed experts only from its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton, "
+    "and its CPU build has neither; run MoE replicas with it on GPUs (model.device: cuda)"
+)
+CPU_NO_FP8 = (
+    "not on CPU: vLLM 0.32's CPU build has no FP8 quantization kernel (its _C::static_scaled_fp8_quant is a stub there, and an engine "
+    "quantizing online fails loading the weights); run FP8 replicas on GPUs (model.device: cuda)"
+)
+
+
 class LoraConfig(_Section):
     """LoRA adapters published as policies (``WeightPublisher.publish_adapter``): vLLM's
     LoRA support in every engine replica, off unless enabled."""
@@ -112,6 +123,35 @@ class ModelConfig(_Section):
         default=False, description="Disable CUDA graphs / compilation (faster start, slower decode)."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters as published policies.")
+    return_routed_experts: bool = Field(
+        default=False,
+        description="Let requests and episodes ask for the experts a mixture-of-experts model routed every token to (`return_routed_experts`; router replay "
+        "in training): vLLM's `enable_return_routed_experts`. Needs a MoE model, prefix caching and a GPU: vLLM returns them only from its V2 model "
+        "runner, which needs Triton (the platform sets `VLLM_USE_V2_MODEL_RUNNER=1` where unset); a replica that cannot refuses to start naming this field.",
+    )
+    quantization: Optional[Literal["fp8", "fp8_per_tensor", "fp8_per_channel", "fp8_per_block"]] = Field(
+        default=None,
+        description="Quantize the BF16/FP16 weights to FP8 as the engine loads them (vLLM's online quantization; `fp8` is its `fp8_per_tensor`), and again "
+        "after every publish: trainers keep publishing full-precision weights. GPU only (vLLM's CPU build has no FP8 quantization kernel). None: the checkpoint's own "
+        "(an FP8 checkpoint is served as FP8 without it).",
+    )
+
+    @model_validator(mode="after")
+    def _gpu_features(self) -> "ModelConfig":
+        if self.device == "cpu":
+            if self.return_routed_experts:
+                raise ValueError(f"return_routed_experts: {CPU_NO_ROUTED_EXPERTS}")
+            if self.quantization is not None:
+                raise ValueError(f"quantization: {CPU_NO_FP8}")
+        if self.return_routed_experts and not self.enable_prefix_caching:
+            # vLLM keys routed experts by the prefix cache's block hashes (its AuxOutput connector).
+            raise ValueError("return_routed_experts needs enable_prefix_caching: vLLM keeps routed experts by the prefix cache's block hashes")
+        return self
+
+    @property
+    def vllm_quantization(self) -> Optional[str]:
+        """``quantization`` as vLLM names it (its ``fp8`` means an FP8 checkpoint; online is ``fp8_per_tensor``)."""
+        return "fp8_per_tensor" if self.quantization == "fp8" else self.quantization
 
     @property
     def tokenizer_path(self) -> str:

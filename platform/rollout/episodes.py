@@ -86,11 +86,42 @@ class EpisodeState:
     last_text: str = ""  # the model's last turn, as text: what the reward reads
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a turn is running: a second one at once would interleave tokens
+    # The turns' routed experts (rollout.api.RoutedExperts, in order) when the episode asked for them; None when not.
+    routed_experts: Optional[list[Any]] = None
 
     def append(self, ids: Sequence[int], model: bool, logprobs: Optional[Sequence[float]] = None) -> None:
         self.token_ids += ids
         self.loss_mask += [1 if model else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [None] * len(ids)
+
+    @property
+    def routed_rows(self) -> int:
+        """Trajectory tokens whose routed experts the turns returned so far (from token 0)."""
+        return sum(r.num_tokens for r in self.routed_experts or ())
+
+    def add_routed_experts(self, rows: Any, length: int) -> None:
+        """A turn's routed experts (before its tokens are appended; ``length``: the trajectory's
+        length with them): they begin where the earlier turns' rows ended and cover every token
+        but the last, which no turn ran yet. None (an aborted turn) adds none: the next turn's
+        rows begin where these ended, so they fill the gap."""
+        if rows is None:
+            return
+        if rows.start != self.routed_rows or rows.start + rows.num_tokens != length - 1:
+            raise RuntimeError(
+                f"episode {self.episode_id}: the turn's routed experts (rows {rows.start}..{rows.start + rows.num_tokens}) do not continue "
+                f"the trajectory's rows 0..{self.routed_rows} up to its token {length - 1}"
+            )
+        self.routed_experts.append(rows)
+
+    def routed_experts_so_far(self) -> Any:
+        """Every turn's routed experts as one (rollout.api.RoutedExperts from 0); None when the episode did not ask or had no turn."""
+        if not self.routed_experts:
+            return None
+        import numpy as np
+
+        from rollout.api import RoutedExperts
+
+        return RoutedExperts.from_numpy(np.concatenate([r.to_numpy() for r in self.routed_experts]), start=0)
 
 
 class EpisodeStore:

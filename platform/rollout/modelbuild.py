@@ -1,6 +1,6 @@
 """Build the demo/test model in code: no hub downloads anywhere.
 
-A Qwen2-architecture causal LM with random weights and a byte-level BPE tokenizer
+A Qwen2-architecture causal LM (or, preset ``moe``, a Qwen3-MoE one) with random weights and a byte-level BPE tokenizer
 trained here on a seeded synthetic corpus, both written with ``save_pretrained``.
 Everything is a function of the seed and the size preset, so two builds are identical.
 
@@ -48,6 +48,11 @@ class ModelSize:
     intermediate_size: int
     vocab_size: int
     dtype: str = "float32"
+    # Mixture of experts (Qwen3-MoE) when num_experts > 0: every layer's MLP is num_experts
+    # experts of moe_intermediate_size, top_k of them per token.
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
 
 
 SIZES = {
@@ -59,6 +64,13 @@ SIZES = {
     # 28 layers, 12 query / 2 KV heads, head_dim 128); its MLP is wider (10240, not 8960)
     # to stand in for the 151k-token embeddings a tokenizer trained here cannot have.
     "1.5b": ModelSize(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=10240, vocab_size=8192, dtype="bfloat16"),
+    # ~0.9B parameters in bf16 (the GPU check of routed experts and FP8): Qwen3-MoE's shape
+    # (q/k norms, head_dim 128, normalised top-k) with 64 experts of which 8 per token in
+    # each of 12 layers: uint8 expert ids, as vLLM returns them for up to 256 experts.
+    "moe": ModelSize(
+        hidden_size=1024, num_layers=12, num_heads=8, num_kv_heads=2, intermediate_size=3072, vocab_size=8192, dtype="bfloat16",
+        num_experts=64, top_k=8, moe_intermediate_size=384,
+    ),
 }
 
 
@@ -102,7 +114,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int, seed: int):
 def build_model(out_dir: str | Path, seed: int = 0, size: str = "tiny", max_position_embeddings: int = 2048) -> Path:
     """Write a model + tokenizer to ``out_dir``; return the directory."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
     if size not in SIZES:
         raise ValueError(f"size: unknown preset {size!r}; choose one of {sorted(SIZES)}")
@@ -112,7 +124,7 @@ def build_model(out_dir: str | Path, seed: int = 0, size: str = "tiny", max_posi
     tokenizer = build_tokenizer(out, spec.vocab_size, seed)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
 
-    config = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -130,10 +142,22 @@ def build_model(out_dir: str | Path, seed: int = 0, size: str = "tiny", max_posi
         pad_token_id=eos_id,
         torch_dtype=spec.dtype,
     )
+    if spec.num_experts:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        # `num_experts` is Qwen3-MoE's own name (transformers 5 maps it to num_local_experts).
+        config = Qwen3MoeConfig(
+            **common, num_experts=spec.num_experts, num_experts_per_tok=spec.top_k, moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1
+        )
+        model_cls = Qwen3MoeForCausalLM
+    else:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config, model_cls = Qwen2Config(**common), Qwen2ForCausalLM
     dtype = getattr(torch, spec.dtype)
     torch.manual_seed(seed)
     # Initialised in float32 everywhere (the same weights on any machine), then cast.
-    model = Qwen2ForCausalLM(config).to(dtype)
+    model = model_cls(config).to(dtype)
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(str(out))

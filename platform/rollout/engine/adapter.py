@@ -19,7 +19,7 @@ from rollout.api import RolloutRequest, Sample
 from rollout.config import PlatformConfig
 from rollout.contracts.version import INITIAL_VERSION_LABEL
 from rollout.engine.stats import SchedulerSnapshot
-from rollout.engine.validation import ModelLimits
+from rollout.engine.validation import ModelLimits, routed_experts_refusal
 from rollout.episodes import render_initial
 from rollout.errors import EngineUnavailableError, InvalidRequestError
 from rollout.sync.adapters import ServedAdapter
@@ -29,10 +29,11 @@ from rollout.tools.calling import TurnPlan
 @dataclass(frozen=True)
 class EpisodeTurnSampling:
     """What sampling an episode's turn adds to its request: the tool-call constraint (none
-    when the turn may not call tools), and no reward per turn (the episode is scored when
-    it ends)."""
+    when the turn may not call tools), no reward per turn (the episode is scored when
+    it ends), and where its routed experts begin (after the rows earlier turns returned)."""
 
     plan: Optional[TurnPlan]
+    routed_experts_start: int = 0
 
 
 # How long an error from the engine may come before the engine reads as dead. A dying
@@ -88,7 +89,9 @@ class EngineAdapter:
             kwargs["weight_transfer_config"] = _prepare_weight_transfer(sync_backend)
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[stat_logger_factory(snapshot), *stat_loggers])
         mc = engine.model_config
-        limits = ModelLimits(vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, max_n=config.limits.max_n)
+        limits = ModelLimits(
+            vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, max_n=config.limits.max_n, routed_experts_refusal=routed_experts_refusal(config.model, device)
+        )
         return cls(engine, AutoTokenizer.from_pretrained(config.model.tokenizer_path), limits, snapshot, argv)
 
     # ---- requests ---------------------------------------------------------------
@@ -126,10 +129,11 @@ class EngineAdapter:
 
         started = time.monotonic()
         plan = turn.plan if turn is not None else None
+        routed_start = turn.routed_experts_start if turn is not None else 0
         params = (
-            to_sampling_params(req.sampling, req.n, constraint=plan.structured_outputs, skip_special_tokens=plan.skip_special_tokens)
+            to_sampling_params(req.sampling, req.n, constraint=plan.structured_outputs, skip_special_tokens=plan.skip_special_tokens, routed_experts_start=routed_start)
             if plan is not None
-            else to_sampling_params(req.sampling, req.n)
+            else to_sampling_params(req.sampling, req.n, routed_experts_start=routed_start)
         )
         final = None
         try:
@@ -148,7 +152,9 @@ class EngineAdapter:
             raise await self.typed(RuntimeError(f"request {req.request_id}: the engine ended it without an output"))
         self.served += 1
         outputs = sorted(final.outputs, key=lambda c: c.index)
-        return Generated([to_sample(c, lora) for c in outputs], len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
+        # Routed experts only where asked: the engine captures them for every request once on.
+        routed = (len(prompt_ids), routed_start) if req.return_routed_experts else None
+        return Generated([to_sample(c, lora, routed) for c in outputs], len(prompt_ids), sum(len(c.token_ids) for c in outputs), started)
 
     def stream(self, req: RolloutRequest, prompt_ids: list[int], cache_salt: Optional[str] = None, lora: Optional[ServedAdapter] = None) -> AsyncIterator[Any]:
         """vLLM's outputs of one request as they come (each holds only the new tokens);

@@ -59,7 +59,10 @@ def prepare_engine_environment(device: str, model: ModelConfig) -> None:
     from rollout.engine.memory import EngineStartError
 
     fault_dir()  # where the engine's processes log a fatal signal (rollout.engine.lifetime)
+    check_device_features(model, device)
     if device != "cpu":
+        if model.return_routed_experts:
+            _use_v2_model_runner()
         return
     key, unbound = EAGER_CPU_BIND
     if model.enforce_eager and os.environ.get(key) == "auto":
@@ -72,6 +75,41 @@ def prepare_engine_environment(device: str, model: ModelConfig) -> None:
         if key not in os.environ:
             os.environ[key] = value
             logger.info("%s=%s for vLLM's engine on CPU", key, value)
+
+
+# vLLM 0.32 returns routed experts only from its V2 model runner (config/vllm.py,
+# _verify_aux_output_compatibility). V2 is its default where Triton is installed, but an
+# operator's VLLM_USE_V2_MODEL_RUNNER=0 (or a Triton-less image) would choose V1.
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _use_v2_model_runner() -> None:
+    from rollout.engine.memory import EngineStartError
+
+    value = os.environ.get(V2_RUNNER_ENV)
+    if value is None:
+        os.environ[V2_RUNNER_ENV] = "1"
+        logger.info("%s=1 for vLLM's engine: model.return_routed_experts needs its V2 model runner", V2_RUNNER_ENV)
+    elif value.strip().lower() in ("0", "false", "no", "off"):
+        raise EngineStartError(
+            f"model.return_routed_experts: vLLM returns routed experts only from its V2 model runner, and {V2_RUNNER_ENV}={value!r} turns it off; "
+            f"unset it (the platform then sets 1) or set model.return_routed_experts: false",
+            "model.return_routed_experts",
+        )
+
+
+def check_device_features(model: ModelConfig, device: str) -> None:
+    """Refuse, naming the field, what ``device`` cannot run: the config's own check sees
+    only ``model.device: cpu``, this also ``auto`` resolved to CPU."""
+    from rollout.config import CPU_NO_FP8, CPU_NO_ROUTED_EXPERTS
+    from rollout.engine.memory import EngineStartError
+
+    if device != "cpu":
+        return
+    if model.return_routed_experts:
+        raise EngineStartError(f"model.return_routed_experts: {CPU_NO_ROUTED_EXPERTS}", "model.return_routed_experts")
+    if model.quantization is not None:
+        raise EngineStartError(f"model.quantization: {model.quantization!r} {CPU_NO_FP8}", "model.quantization")
 
 
 def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:
@@ -91,6 +129,14 @@ def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:
         # Scheduler stats feed health checks, stats() and metrics.
         disable_log_stats=False,
     )
+    check_device_features(model, device)
+    if model.return_routed_experts:
+        # vLLM's AuxOutput connector captures each MoE layer's top-k ids (router replay).
+        kw["enable_return_routed_experts"] = True
+    if model.quantization is not None:
+        # Online quantization: vLLM loads the full-precision weights and quantizes them; every
+        # publish goes through its layerwise reload, which quantizes again (process_weights_after_loading).
+        kw["quantization"] = model.vllm_quantization
     if model.lora.enabled:
         # Published adapters (rollout.sync.adapters) load into every engine through vLLM's LoRA support.
         kw.update(enable_lora=True, max_loras=model.lora.max_loras, max_lora_rank=model.lora.max_lora_rank, max_cpu_loras=model.lora.max_cpu_loras)

@@ -7,7 +7,7 @@ from typing import Any, Optional
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from rollout.api import RolloutChunk, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
+from rollout.api import RolloutChunk, RoutedExperts, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
 from rollout.errors import InvalidRequestError
 from rollout.sync.adapters import ServedAdapter
 from rollout.contracts.version import version_of
@@ -25,7 +25,9 @@ def to_structured_outputs(so: Optional[StructuredOutputs]) -> Any:
 _FIELDS = {"n": "n", **{name: f"sampling.{name}" for name in SamplingConfig.model_fields}}
 
 
-def to_sampling_params(cfg: SamplingConfig, n: int, stream: bool = False, constraint: Any = None, skip_special_tokens: bool = True) -> SamplingParams:
+def to_sampling_params(
+    cfg: SamplingConfig, n: int, stream: bool = False, constraint: Any = None, skip_special_tokens: bool = True, routed_experts_start: int = 0
+) -> SamplingParams:
     """``constraint`` (vLLM's StructuredOutputsParams) is an episode's tool-call constraint;
     the request's own ``structured_outputs`` replace it.
 
@@ -35,9 +37,12 @@ def to_sampling_params(cfg: SamplingConfig, n: int, stream: bool = False, constr
     from vllm.exceptions import VLLMValidationError
 
     try:
-        return _sampling_params(cfg, n, stream, constraint, skip_special_tokens)
+        params = _sampling_params(cfg, n, stream, constraint, skip_special_tokens)
     except VLLMValidationError as e:
         raise InvalidRequestError(_FIELDS.get(e.parameter or "", "sampling"), str(e.args[0]) if e.args else str(e)) from None
+    # An episode's turn asks only for the rows after those its earlier turns returned.
+    params.routed_experts_prompt_start = routed_experts_start
+    return params
 
 
 def _sampling_params(cfg: SamplingConfig, n: int, stream: bool, constraint: Any, skip_special_tokens: bool) -> SamplingParams:
@@ -78,7 +83,29 @@ def spans(completion: Any, lora: Optional[ServedAdapter] = None) -> list[WeightV
     ]
 
 
-def to_sample(completion: Any, lora: Optional[ServedAdapter] = None) -> Sample:
+def routed_experts(completion: Any, prompt_len: int, start: int = 0) -> Optional[RoutedExperts]:
+    """vLLM's routed experts of a finished sample (``[tokens, layers, top_k]``, from the
+    prompt position ``start``, every token but the last: the last was never run through the
+    model), checked against the tokens they belong to. None for an aborted sample."""
+    rows = completion.routed_experts
+    expected = prompt_len + len(completion.token_ids) - 1 - start
+    if rows is None:
+        if completion.finish_reason in (None, "abort"):
+            return None
+        raise RuntimeError(
+            f"the engine returned no routed experts for a finished sample ({completion.finish_reason}, {len(completion.token_ids)} tokens) although "
+            "model.return_routed_experts is on: its V2 model runner did not capture them"
+        )
+    if rows.ndim != 3 or rows.shape[0] != expected:
+        raise RuntimeError(
+            f"the engine's routed experts (shape {tuple(rows.shape)}) do not cover the sample's tokens: {prompt_len} prompt + "
+            f"{len(completion.token_ids)} sampled - 1 - start {start} = {expected} rows expected"
+        )
+    return RoutedExperts.from_numpy(rows, start=start)
+
+
+def to_sample(completion: Any, lora: Optional[ServedAdapter] = None, routed: Optional[tuple[int, int]] = None) -> Sample:
+    """``routed``: (prompt length, first row's position) when the request asked for routed experts."""
     token_ids = list(completion.token_ids)
     return Sample(
         token_ids=token_ids,
@@ -87,11 +114,21 @@ def to_sample(completion: Any, lora: Optional[ServedAdapter] = None) -> Sample:
         stop_reason=completion.stop_reason,
         text=completion.text,
         weight_versions=spans(completion, lora),
+        routed_experts=routed_experts(completion, *routed) if routed is not None else None,
     )
 
 
-def to_chunk(request_id: str, completion: Any, prompt_token_ids: Optional[list[int]] = None, lora: Optional[ServedAdapter] = None) -> RolloutChunk:
+def to_chunk(
+    request_id: str, completion: Any, prompt_token_ids: Optional[list[int]] = None, lora: Optional[ServedAdapter] = None, routed: Optional[tuple[int, int]] = None
+) -> RolloutChunk:
+    """``routed``: when the request asked for routed experts, (the prompt's length, the
+    sample's tokens before this chunk): vLLM hands them over with a sample's last output,
+    its rows covering the whole sample, while the output holds only the new tokens."""
     token_ids = list(completion.token_ids)
+    experts = None
+    if routed is not None and completion.finish_reason is not None:
+        prompt_len, before = routed
+        experts = routed_experts(completion, prompt_len + before)
     return RolloutChunk(
         request_id=request_id,
         index=completion.index,
@@ -102,4 +139,5 @@ def to_chunk(request_id: str, completion: Any, prompt_token_ids: Optional[list[i
         stop_reason=completion.stop_reason,
         weight_versions=spans(completion, lora),
         prompt_token_ids=prompt_token_ids,
+        routed_experts=experts,
     )

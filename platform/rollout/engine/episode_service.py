@@ -30,6 +30,7 @@ from rollout.api import (
 )
 from rollout.config import API_KEY_ENV, PlatformConfig
 from rollout.episodes import EpisodeState, EpisodeStore, episode_id_for, render_after_model_turn, render_initial
+from rollout.engine.validation import ROUTED_EXPERTS_OFF
 from rollout.errors import InvalidRequestError
 from rollout.rewards import RewardScorer
 from rollout.tools import Tool, ToolRegistry
@@ -37,7 +38,8 @@ from rollout.tools.calling import ParsedCall, ToolCalling, TurnPlan
 from rollout.tools.pool import ToolPool
 from rollout.tools.sandbox import Isolation
 
-Sampler = Callable[[RolloutRequest, Optional[TurnPlan]], Awaitable[Sample]]
+# (request, plan) -> the turn's sample; with routed experts also `routed_experts_start=` (the rows earlier turns returned).
+Sampler = Callable[..., Awaitable[Sample]]
 # The replica's check that a LoRA adapter is served (SyncGate.adapter): raises naming the field.
 AdapterCheck = Callable[[str, str], object]
 
@@ -54,6 +56,7 @@ class EpisodeService:
         metrics: Optional[Any] = None,
         *,
         check_adapter: AdapterCheck,
+        routed_experts_refusal: Optional[str] = None,
     ):
         self.config = config
         self.rewards = rewards
@@ -63,6 +66,10 @@ class EpisodeService:
         self.max_model_len = max_model_len
         self._sample = sample
         self._check_adapter = check_adapter
+        # Why an episode may not ask for routed experts (the replica passes its ModelLimits'; None: it may).
+        if routed_experts_refusal is None and not config.model.return_routed_experts:
+            routed_experts_refusal = ROUTED_EXPERTS_OFF
+        self.routed_experts_refusal = routed_experts_refusal
         self.store = EpisodeStore(config.episodes.max_per_replica, config.episodes.idle_expiry_s)
         self.tools = ToolRegistry(config.tools.functions, python=config.tools.python.enabled)  # imports tools.functions: a bad path fails the start
         self.pool = ToolPool.from_config(config.tools, secret_env=(API_KEY_ENV, config.sync.token_env))
@@ -92,6 +99,8 @@ class EpisodeService:
             # weights'), not one pinned for the episode: a replica keeps only the served
             # version and the one before it, so an episode could outlive a pinned one.
             self._check_adapter(start.adapter, "adapter")
+        if start.return_routed_experts and self.routed_experts_refusal is not None:
+            raise InvalidRequestError("return_routed_experts", self.routed_experts_refusal)
         reward = start.reward or self.rewards.default
         self.rewards.resolve(reward)  # a spec that cannot run is refused now, naming reward.*, not when the episode ends
         schemas = [t.openai() for t in tools] or None
@@ -107,6 +116,7 @@ class EpisodeService:
             max_tool_calls=call_cap if start.max_tool_calls is None else start.max_tool_calls,
             reward=reward,
             adapter=start.adapter,
+            routed_experts=[] if start.return_routed_experts else None,
         )
         if len(ids) >= episode.max_tokens:
             raise InvalidRequestError("messages", f"the opening messages are {len(ids)} tokens; the episode may hold {episode.max_tokens} (max_tokens, at most the context)")
@@ -140,14 +150,21 @@ class EpisodeService:
             raise InvalidRequestError(
                 "sampling.max_tokens", f"the episode would reach {total} tokens ({len(episode.token_ids)} so far, {len(appended)} new); its max_tokens is {episode.max_tokens}"
             )
-        request = RolloutRequest(prompt_token_ids=episode.token_ids + appended, sampling=turn.sampling, session_id=turn.episode_id, adapter=episode.adapter)
+        routed = episode.routed_experts is not None
+        request = RolloutRequest(
+            prompt_token_ids=episode.token_ids + appended, sampling=turn.sampling, session_id=turn.episode_id, adapter=episode.adapter, return_routed_experts=routed
+        )
         episode.busy = True
         try:
-            sample = await self._sample(request, plan)
+            # With routed experts: only the rows after those the earlier turns returned.
+            sample = await (self._sample(request, plan, routed_experts_start=episode.routed_rows) if routed else self._sample(request, plan))
             calls = self.calling.parse(plan, sample.text or "", sample.token_ids) if plan is not None else []
             results = await asyncio.gather(*(self._run(episode, call) for call in calls))
         finally:
             episode.busy = False
+        if routed:
+            # Checked before the episode changes: rows that do not continue it are the engine's fault (500), the episode as it was.
+            episode.add_routed_experts(sample.routed_experts, len(episode.token_ids) + len(appended) + len(sample.token_ids))
         episode.pending = [{"role": "tool", "content": r.output, "name": r.name, "tool_call_id": r.id} for r in results]
         episode.append(appended, model=False)
         start = len(episode.token_ids)
@@ -175,7 +192,13 @@ class EpisodeService:
             if scorer is not None:
                 scored = (await self.rewards.score(scorer, episode.last_text)).fields()
         return Trajectory(
-            episode_id=episode.episode_id, token_ids=episode.token_ids, loss_mask=episode.loss_mask, logprobs=episode.logprobs, turns=episode.turns, **scored
+            episode_id=episode.episode_id,
+            token_ids=episode.token_ids,
+            loss_mask=episode.loss_mask,
+            logprobs=episode.logprobs,
+            turns=episode.turns,
+            routed_experts=episode.routed_experts_so_far(),
+            **scored,
         )
 
     def close(self) -> None:

@@ -84,7 +84,8 @@ class RolloutEngine:
         self._assemble(cfg, replica_id, adapter, SyncGate.over(sync, cfg.sync, replica_id), rewards, metrics)
         # Imports tools.functions: a bad path fails the start.
         self.episodes = EpisodeService(
-            cfg, adapter.tokenizer, replica_id, adapter.limits.max_model_len, self._sample_in_episode, rewards, metrics, check_adapter=self.gate.adapter
+            cfg, adapter.tokenizer, replica_id, adapter.limits.max_model_len, self._sample_in_episode, rewards, metrics, check_adapter=self.gate.adapter,
+            routed_experts_refusal=adapter.limits.routed_experts_refusal,
         )
         # Fail closed: a replica whose tool workers cannot build the python tool's sandbox
         # does not start (SandboxUnavailable names what is missing and the setting to change).
@@ -269,12 +270,15 @@ class RolloutEngine:
             first, generated, started = True, 0, time.monotonic()
             scorer = self.admission.scorer(req)
             texts: dict[int, str] = collections.defaultdict(str)  # each sample's text so far, for its reward
+            sampled: dict[int, int] = collections.defaultdict(int)  # each sample's tokens so far, for its routed experts
             try:
                 async with outputs as engine_outputs:
                     async for out in engine_outputs:
                         for c in out.outputs:
+                            routed = (len(prompt_ids), sampled[c.index]) if req.return_routed_experts else None
+                            sampled[c.index] += len(c.token_ids)
                             generated += len(c.token_ids)
-                            chunk = to_chunk(req.request_id, c, prompt_ids if first else None, lora)
+                            chunk = to_chunk(req.request_id, c, prompt_ids if first else None, lora, routed)
                             if scorer is not None:
                                 texts[c.index] += chunk.text
                                 if chunk.finish_reason is not None:
@@ -344,11 +348,12 @@ class RolloutEngine:
     async def episode_trajectory(self, ref: Any, end: bool = False) -> Trajectory:
         return await self.episodes.trajectory(coerce_as(EpisodeRef, ref, "episode"), end)
 
-    async def _sample_in_episode(self, request: RolloutRequest, plan: Optional[TurnPlan]) -> Sample:
+    async def _sample_in_episode(self, request: RolloutRequest, plan: Optional[TurnPlan], routed_experts_start: int = 0) -> Sample:
         """How episodes sample a turn: through the replica's whole path (serving, admission,
-        in-flight accounting), as a batch of one."""
+        in-flight accounting), as a batch of one. ``routed_experts_start``: the trajectory
+        rows earlier turns returned (this turn's routed experts begin there)."""
         try:
-            (result,) = await self._generate([request], turn=EpisodeTurnSampling(plan))
+            (result,) = await self._generate([request], turn=EpisodeTurnSampling(plan, routed_experts_start))
         except InvalidRequestError as e:
             # The turn is the caller's request, not a batch: name its own field.
             raise InvalidRequestError(e.field.removeprefix("requests[0]."), e.message) from None

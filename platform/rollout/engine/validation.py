@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rollout.api import GREEDY_BELOW, RolloutRequest
+from rollout.config import CPU_NO_ROUTED_EXPERTS, ModelConfig
 from rollout.errors import InvalidRequestError
+
+
+ROUTED_EXPERTS_OFF = "model.return_routed_experts is off on this deployment (it needs a mixture-of-experts model, on GPU)"
+
+
+def routed_experts_refusal(model: ModelConfig, device: str) -> Optional[str]:
+    """Why this replica cannot return routed experts; None when it can."""
+    if model.return_routed_experts:
+        return None
+    return f"{ROUTED_EXPERTS_OFF}; it cannot be on here: {CPU_NO_ROUTED_EXPERTS}" if device == "cpu" else ROUTED_EXPERTS_OFF
 
 
 @dataclass(frozen=True)
@@ -20,6 +31,8 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     max_n: int
+    # Why a request may not ask for routed experts (None: it may).
+    routed_experts_refusal: Optional[str] = ROUTED_EXPERTS_OFF
 
 
 def _check_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -37,6 +50,8 @@ def check_request(req: RolloutRequest, prompt_ids: Sequence[int], limits: ModelL
         raise InvalidRequestError(
             "n", f"{req.n} samples with greedy sampling (sampling.temperature {req.sampling.temperature:g}) would all be the same: ask for n=1, or a temperature of at least {GREEDY_BELOW:g}"
         )
+    if req.return_routed_experts and limits.routed_experts_refusal is not None:
+        raise InvalidRequestError("return_routed_experts", limits.routed_experts_refusal)
     if req.prompt_token_ids is not None:
         _check_ids("prompt_token_ids", req.prompt_token_ids, limits.vocab_size)
     _check_ids("sampling.stop_token_ids", req.sampling.stop_token_ids, limits.vocab_size)
