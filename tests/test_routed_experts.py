@@ -265,6 +265,9 @@ def test_the_config_refuses_routed_experts_and_fp8_on_cpu_naming_the_field_and_t
         load_config({"model": {"path": "/m", "return_routed_experts": True, "enable_prefix_caching": False}}, environ={})
     with pytest.raises(ValidationError):
         load_config({"model": {"path": "/m", "quantization": "int4"}}, environ={})
+    with pytest.raises(ValidationError, match="sparse_nccl cannot publish into model.quantization replicas"):
+        load_config({"model": {"path": "/m", "quantization": "fp8"}, "sync": {"backend": "sparse_nccl"}}, environ={})
+    load_config({"model": {"path": "/m", "quantization": "fp8"}, "sync": {"backend": "nccl"}}, environ={})
     # From the environment as from a file.
     cfg = load_config({"model": {"path": "/m"}}, environ={"ROLLOUT_MODEL__RETURN_ROUTED_EXPERTS": "true", "ROLLOUT_MODEL__QUANTIZATION": "fp8"})
     assert cfg.model.return_routed_experts and cfg.model.vllm_quantization == "fp8_per_tensor"

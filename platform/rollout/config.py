@@ -536,6 +536,17 @@ class PlatformConfig(_Section):
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Rewards scored on the replica as each sample finishes (a request names one, or `rewards.default`).")
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tools an episode's model may call (`EpisodeStart.tools`), run beside each replica.")
 
+    @model_validator(mode="after")
+    def _quantized_models_reload(self) -> "PlatformConfig":
+        if self.model.quantization is not None and self.sync.enabled and self.sync.backend == "sparse_nccl":
+            # vLLM's sparse engine patches the live tensors in place, outside the layerwise
+            # reload: FP8 weights would take full-precision values with their old scales.
+            raise ValueError(
+                "sync.backend: sparse_nccl cannot publish into model.quantization replicas (vLLM's sparse engine patches the live FP8 tensors in place, "
+                "never quantizing them again); use nccl, ipc or gloo, which reload through vLLM's layerwise reload"
+            )
+        return self
+
 
 def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     sections = set(PlatformConfig.model_fields)

@@ -209,6 +209,18 @@ def _sparse(m: dict[str, Any]) -> str:
     )
 
 
+_routed = _filled(
+    "replica start {replica_start_s} s; {prompts} prompts x {layers} layers x top-{top_k} ({dtype}) equal a fresh engine's; teacher forcing: "
+    "{teacher_agree} of {teacher_pairs} (token, layer) pairs agree, {near_ties} near-ties (gaps {tie_gaps}), smallest top-k gap {smallest_gap}; "
+    "rolled-router publish {publish_s} s, then {prompts_whose_experts_changed} prompts' experts changed, equal to a fresh engine's"
+)
+_fp8 = _filled(
+    "replica start {replica_start_s} s; BF16 publish {publish_s} s; greedy vs a fresh FP8 engine on the same weights: {greedy}; "
+    "tok/s at {concurrency} (eager): FP8 replica {fp8_replica_tokens_per_s}, FP8 engine {fp8_engine_tokens_per_s}, BF16 engine {bf16_engine_tokens_per_s} "
+    "(FP8 replica / BF16 {fp8_vs_bf16})"
+)
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -266,6 +278,14 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_exactly_the_published_weights": (
         "14. `sparse_nccl`: publishes through vLLM's sparse NCCL engine serve exactly the published weights (two GPUs)",
         _sparse,
+    ),
+    "test_routed_experts_equal_a_fresh_engines_and_teacher_forcing_and_follow_a_published_router": (
+        "15. Routed experts (router replay) of a Qwen3-MoE model equal a fresh engine's and teacher forcing's, and follow a published router (one GPU)",
+        _routed,
+    ),
+    "test_an_fp8_replica_takes_a_bf16_publish_and_serves_like_a_fresh_fp8_engine_on_those_weights": (
+        "16. An FP8 replica takes a BF16 publish and serves like a fresh FP8 engine on those weights; its speed against BF16 (one GPU)",
+        _fp8,
     ),
 }
 

@@ -36,6 +36,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 models() {
     # modelbuild.py needs only torch, transformers and tokenizers: no overlay yet (-P: see its __main__).
     [ -f "$WORK/model-1.5b/model.safetensors" ] || "$PY" -P platform/rollout/modelbuild.py "$WORK/model-1.5b" 1.5b
+    # The Qwen3-MoE model of the routed-experts check (tests/gpu/test_gpu_moe.py), ~0.9B parameters.
+    [ -f "$WORK/model-moe/model.safetensors" ] || "$PY" -P platform/rollout/modelbuild.py "$WORK/model-moe" moe
     touch "$WORK/models.done"
 }
 
@@ -85,7 +87,7 @@ run() {
     local budget=${1:-1500}
     shift $(( $# > 0 ? 1 : 0 ))
     export PYTHONPATH="$WORK/project:$SITE" PYTHONUNBUFFERED=1
-    export ROLLOUT_GPU_WORK="$WORK" ROLLOUT_GPU_MODEL="$WORK/model-1.5b" ROLLOUT_GPU_RESULTS="$RESULTS_DIR/results.json"
+    export ROLLOUT_GPU_WORK="$WORK" ROLLOUT_GPU_MODEL="$WORK/model-1.5b" ROLLOUT_GPU_MOE_MODEL="$WORK/model-moe" ROLLOUT_GPU_RESULTS="$RESULTS_DIR/results.json"
     # The run ends at ROLLOUT_GPU_END (the timeout below). Checks not started by the deadline are
     # skipped (and say so): the longest check, the TP=2 replica's start and publish, takes about
     # five minutes on two H100s, so one started before it still ends within the budget.
@@ -94,11 +96,13 @@ run() {
     for _ in $(seq 1 120); do [ -f "$WORK/models.done" ] && break; sleep 2; done
     [ -f "$WORK/models.done" ] || models
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$RESULTS_DIR/gpus.txt" 2>&1
-    # The senders' tests (no Ray), then the platform's, then any other GPU test file.
+    # The senders' tests (no Ray), then the platform's, then any other GPU test file, the MoE
+    # and FP8 checks last (their engines are the likeliest to stall at start: see the file).
     local files=(tests/gpu/test_gpu_senders.py tests/gpu/test_gpu_platform.py) f
     for f in tests/gpu/test_gpu_*.py; do
-        case " ${files[*]} " in *" $f "*) ;; *) files+=("$f") ;; esac
+        case " ${files[*]} tests/gpu/test_gpu_moe.py " in *" $f "*) ;; *) files+=("$f") ;; esac
     done
+    files+=(tests/gpu/test_gpu_moe.py)
     # The project's tests/ is imported from this tree (the engines' code ships to Ray workers by value).
     timeout "$budget" "$PY" -m pytest -p no:cacheprovider -v -rA --timeout 1200 -o addopts="" \
         "${files[@]}" "$@" 2>&1 | tee "$RESULTS_DIR/check.log"

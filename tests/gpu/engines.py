@@ -95,6 +95,22 @@ class BareEngine:
         adds it when it is not in the top k): what ``tests.gpu.compare.judge`` takes."""
         return await self._run(requests, lora, top_logprobs)
 
+    async def routed(self, requests: list[Any]) -> list[tuple[list[int], Any]]:
+        """Token ids of each request's first sample with the experts vLLM routed its tokens to
+        (``CompletionOutput.routed_experts``, a numpy array; None where the engine returned
+        none), in request order: the reference of router replay."""
+
+        async def one(i: int, r: Any) -> tuple[list[int], Any]:
+            from rollout.engine.convert import to_sampling_params
+
+            final = None
+            async for out in self.engine.generate({"prompt_token_ids": r.prompt_token_ids}, to_sampling_params(r.sampling, r.n), f"routed-{i}-{time.monotonic_ns()}"):
+                final = out
+            completion = final.outputs[0]
+            return list(completion.token_ids), completion.routed_experts
+
+        return [await one(i, r) for i, r in enumerate(requests)]
+
     async def timed(self, requests: list[Any]) -> tuple[int, float]:
         """(generated tokens, seconds) for one concurrent round."""
         t0 = time.perf_counter()

@@ -130,14 +130,18 @@ class RolloutClient:
         max_tool_calls: Optional[int] = None,
         reward: Optional[Any] = None,
         adapter: Optional[str] = None,
+        return_routed_experts: bool = False,
     ) -> Episode:
         """Begin a token-exact multi-turn episode on one replica (see :mod:`rollout.client.episode`);
         ``tools`` names the tools its model may call; ``reward`` (a RewardSpec or its dict)
         scores it when it ends; ``adapter`` names a published LoRA adapter every turn
-        generates with (its newest committed version as each turn starts)."""
+        generates with (its newest committed version as each turn starts); ``return_routed_experts``:
+        every turn and the trajectory carry the MoE experts routed for their tokens (needs
+        ``model.return_routed_experts``)."""
         try:
             start = EpisodeStart.model_validate(
-                {"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens, "tools": list(tools), "max_tool_calls": max_tool_calls, "reward": reward, "adapter": adapter}
+                {"messages": list(messages), "max_turns": max_turns, "max_tokens": max_tokens, "tools": list(tools), "max_tool_calls": max_tool_calls, "reward": reward, "adapter": adapter,
+                 "return_routed_experts": return_routed_experts}
             )
         except ValidationError as e:
             raise from_validation_error(e, "episode") from None
