@@ -1,6 +1,6 @@
 """Rollout Platform: vLLM rollouts for RL trainers, served by Ray Serve."""
 
-from rollout.api import RewardSpec, RolloutChunk, RolloutRequest, RolloutResult, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
+from rollout.api import RewardSpec, RolloutChunk, RolloutRequest, RolloutResult, RoutedExperts, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
 from rollout.errors import AuthenticationError, EngineUnavailableError, InvalidRequestError, RolloutError
 
 __version__ = "0.1.0"
@@ -10,6 +10,7 @@ __all__ = [
     "RolloutChunk",
     "RolloutRequest",
     "RolloutResult",
+    "RoutedExperts",
     "Sample",
     "SamplingConfig",
     "StructuredOutputs",

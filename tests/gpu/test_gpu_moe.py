@@ -355,8 +355,14 @@ def test_routed_experts_equal_a_fresh_engines_and_teacher_forcing_and_follow_a_p
         chunks = list(handle.stream_sync(greedy_request(PROMPTS[3])))
         assert [c.token_ids for c in chunks if c.token_ids] and chunks[-1].routed_experts == got[3].samples[0].routed_experts, "the stream's last chunk differs"
 
+        # n samples of one prompt (vLLM runs them as child requests): each carries its own rows.
+        from rollout.api import RolloutRequest, SamplingConfig
+
+        (several,) = handle.generate_sync([RolloutRequest(prompt_token_ids=PROMPTS[0], n=4, sampling=SamplingConfig(max_tokens=16, temperature=1.0), return_routed_experts=True)])
+        for s in several.samples:
+            assert s.routed_experts.shape == [len(PROMPTS[0]) + len(s.token_ids) - 1, layers, got[0].samples[0].routed_experts.shape[2]], s.routed_experts.shape
+
         # An episode: each turn's rows continue the trajectory's; the trajectory has them all.
-        from rollout.api import SamplingConfig
 
         async def episode():
             ep = await handle.start_episode([{"role": "user", "content": "the policy reward model is"}], return_routed_experts=True)
@@ -372,6 +378,7 @@ def test_routed_experts_equal_a_fresh_engines_and_teacher_forcing_and_follow_a_p
         teacher = TeacherForcing(moe_model)
         judged = [teacher.compare(PROMPTS[i] + got[i].samples[0].token_ids, got[i].samples[0].routed_experts.to_numpy()) for i in range(len(PROMPTS))]
         judged.append(teacher.compare(traj.token_ids, traj.routed_experts.to_numpy()))
+        judged += [teacher.compare(PROMPTS[0] + s.token_ids, s.routed_experts.to_numpy()) for s in several.samples]
         pairs, agree = sum(j["pairs"] for j in judged), sum(j["agree"] for j in judged)
         ties = [t for j in judged for t in j["near_ties"]]
         real = [t for j in judged for t in j["not_ties"]]
