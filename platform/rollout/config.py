@@ -37,6 +37,12 @@ ENV_NESTED_DELIMITER = "__"
 API_KEY_ENV = "ROLLOUT_API_KEY"
 
 
+# Why sleep mode is refused on CPU: vLLM's CPU platform (vllm.platforms.cpu) inherits
+# Platform.is_sleep_mode_available(), true only for CUDA, ROCm and XPU, and its worker's
+# sleep() only logs a warning.
+SLEEP_ON_CPU = "vLLM's CPU platform has no sleep mode (is_sleep_mode_available() is False there: CUDA, ROCm and XPU only)"
+
+
 class _Section(BaseModel):
     # Unknown keys are typos, and a typo in a config file must not be silently ignored.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -112,6 +118,17 @@ class ModelConfig(_Section):
         default=False, description="Disable CUDA graphs / compilation (faster start, slower decode)."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters as published policies.")
+    enable_sleep_mode: bool = Field(
+        default=False,
+        description="Start every engine with vLLM's sleep mode, so a trainer sharing the replicas' GPUs can free their memory between rollout phases "
+        "(`/sleep`, `/wake_up`, `RolloutClient.sleep`). GPUs only: vLLM's CPU platform has no sleep mode.",
+    )
+
+    @model_validator(mode="after")
+    def _sleep_needs_a_gpu(self) -> "ModelConfig":
+        if self.enable_sleep_mode and self.device == "cpu":
+            raise ValueError(f"enable_sleep_mode: {SLEEP_ON_CPU}")
+        return self
 
     @property
     def tokenizer_path(self) -> str:
