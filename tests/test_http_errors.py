@@ -92,7 +92,7 @@ def test_a_stream_that_breaks_after_it_started_is_not_turned_into_a_short_succes
 # ---- the one table (rollout.wire_errors): the ingress answers from it, clients read it back
 
 def platform_errors():
-    from rollout.contracts.sync_protocol import CoordinatorUnreachableError, DeltaBaseError, NoCommittedCopyError, SyncError
+    from rollout.contracts.sync_protocol import CoordinatorUnreachableError, DeltaBaseError, FleetAsleepError, NoCommittedCopyError, SleepUnavailableError, SyncError
     from rollout.errors import AdapterNotFoundError, AuthenticationError, EpisodeLostError, ForbiddenError, NotServingError, ReplicaLostError
 
     # (raised by a route, status, error.type, what a client raises back)
@@ -110,6 +110,9 @@ def platform_errors():
         (CoordinatorUnreachableError("no answer"), 409, "sync_error", SyncError),
         # Its own type: a publisher over HTTP falls back to a full send on it, as over Serve.
         (DeltaBaseError("the delta applies onto version 2, the committed version is 3"), 409, "delta_base_error", DeltaBaseError),
+        # The replicas sleep, and sleep mode is off: their own types, read back as such.
+        (FleetAsleepError("a publish refused: the replicas are asleep at level 2 (kv_cache, weights asleep)"), 409, "fleet_asleep", FleetAsleepError),
+        (SleepUnavailableError("sleep mode is not available on this platform: its replicas run on CPU"), 409, "sleep_unavailable", SleepUnavailableError),
         (OverloadedError("overloaded: full", 1.2), 429, "overloaded", OverloadedError),
         (EngineUnavailableError("no replica"), 503, "engine_unavailable", EngineUnavailableError),
         (ReplicaLostError("died", {0: [1]}), 503, "engine_unavailable", EngineUnavailableError),

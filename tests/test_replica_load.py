@@ -40,6 +40,7 @@ PUBLIC_FIELDS = [
     "replica_id", "running", "waiting", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits",
     "inflight_requests", "unfinished_requests", "weight_version", "max_num_seqs", "updated_at",
     "kv_cache_usage_peak",  # added after them (issue 43)
+    "sleep_level",  # then this (issue 42: a trainer's /sleep)
 ]
 
 
@@ -113,7 +114,7 @@ class FakeEngine:
 def replica(sync_version=None) -> RolloutEngine:
     r = object.__new__(RolloutEngine)  # the load reporting only: no vLLM engine behind it
     config = load_config({"model": {"path": "/models/x", "max_num_seqs": 8}}, environ={})
-    sync = SimpleNamespace(version=sync_version, stop=lambda: None) if sync_version is not None else None
+    sync = SimpleNamespace(version=sync_version, sleep_level=0, stop=lambda: None) if sync_version is not None else None
     adapter = EngineAdapter(FakeEngine(), None, ModelLimits(vocab_size=100, max_model_len=64, max_n=4), SchedulerSnapshot())
     r._assemble(config, "r", adapter, SyncGate.over(sync, config.sync, "r"), RewardScorer.from_config(config.rewards))
     return r
@@ -128,7 +129,7 @@ async def test_stats_keep_their_public_fields_and_types():
     assert json.loads(s.model_dump_json()) == {
         "replica_id": "r", "running": 3, "waiting": 1, "kv_cache_usage": 0.5, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
         "inflight_requests": 2, "unfinished_requests": 4, "weight_version": "default", "max_num_seqs": 8, "updated_at": 0.0,
-        "kv_cache_usage_peak": 0.0,
+        "kv_cache_usage_peak": 0.0, "sleep_level": 0,
     }
     assert '"running":3,' in s.model_dump_json(), "counts stay integers"
 

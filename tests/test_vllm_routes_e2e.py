@@ -78,6 +78,9 @@ def test_bad_sequences_get_a_4xx_naming_the_problem_and_change_no_replica(two_re
         (post(base_url, "collective_rpc", json={"method": "reset_weights"}), 403, "arbitrary methods"),
         # A misspelt parameter is named, not ignored (which would pause with the default).
         (post(base_url, "pause", params={"mode": "keep", "clear_cach": "false"}), 400, "clear_cach"),
+        # vLLM's CPU platform has no sleep mode: the deployed app names the platform it resolved.
+        (post(base_url, "sleep", params={"level": 1}), 409, "its replicas run on CPU"),
+        (post(base_url, "wake_up"), 409, "sleep_unavailable"),
     ]
     for resp, status, needle in cases:
         assert resp.status_code == status and needle in resp.text, (resp.status_code, resp.text)

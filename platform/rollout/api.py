@@ -440,7 +440,7 @@ class RolloutBatchResult(_Model):
 class ErrorDetail(_Model):
     message: str
     type: str = Field(
-        description="invalid_request_error, authentication_error, forbidden, episode_lost, adapter_not_found, sync_error, delta_base_error, internal_error (a fault of the platform's own, "
+        description="invalid_request_error, authentication_error, forbidden, episode_lost, adapter_not_found, sync_error, delta_base_error, fleet_asleep, sleep_unavailable, internal_error (a fault of the platform's own, "
         "logged with its traceback), or the retryable stale_weights, overloaded and engine_unavailable (rollout.wire_errors.TABLE: a test keeps the two alike)."
     )
     field: Optional[str] = Field(default=None, description="The request field at fault, e.g. `requests[3].sampling.max_tokens`.")

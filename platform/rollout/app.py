@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
-from rollout.config import PlatformConfig, load_config
+from rollout.config import SLEEP_ON_CPU, PlatformConfig, load_config
 from rollout.engine.args import placement, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -161,9 +161,12 @@ def build_application(cfg: PlatformConfig) -> Application:
 
     device = resolve_device(cfg.model)
     logger.info("building app %r on %s: %s", cfg.app_name, device, cfg.model.path)
+    if cfg.model.enable_sleep_mode and device != "cuda":
+        raise ValueError(f"model.enable_sleep_mode: true, but the replicas run on {device} (model.device: {cfg.model.device}): {SLEEP_ON_CPU}")
     # Whether weight sync needs the sync token is decided here, once, and travels in the
-    # config: the ingress and the coordinator may run with different environments.
-    cfg = cfg.model_copy(update={"sync": cfg.sync.resolved()})
+    # config: the ingress and the coordinator may run with different environments. So does
+    # the device "auto" resolved to: the coordinator names it when it refuses sleep mode.
+    cfg = cfg.model_copy(update={"sync": cfg.sync.resolved(), "model": cfg.model.model_copy(update={"device": device})})
     config = replica_args(cfg)
     coordinator, backend = None, None
     if cfg.sync.enabled:

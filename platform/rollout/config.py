@@ -37,6 +37,12 @@ ENV_NESTED_DELIMITER = "__"
 API_KEY_ENV = "ROLLOUT_API_KEY"
 
 
+# Why sleep mode is refused on CPU: vLLM's CPU platform (vllm.platforms.cpu) inherits
+# Platform.is_sleep_mode_available(), true only for CUDA, ROCm and XPU, and its worker's
+# sleep() only logs a warning.
+SLEEP_ON_CPU = "vLLM's CPU platform has no sleep mode (is_sleep_mode_available() is False there: CUDA, ROCm and XPU only)"
+
+
 class _Section(BaseModel):
     # Unknown keys are typos, and a typo in a config file must not be silently ignored.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -135,6 +141,11 @@ class ModelConfig(_Section):
         "after every publish: trainers keep publishing full-precision weights. GPU only (vLLM's CPU build has no FP8 quantization kernel). None: the checkpoint's own "
         "(an FP8 checkpoint is served as FP8 without it).",
     )
+    enable_sleep_mode: bool = Field(
+        default=False,
+        description="Start every engine with vLLM's sleep mode, so a trainer sharing the replicas' GPUs can free their memory between rollout phases "
+        "(`/sleep`, `/wake_up`, `RolloutClient.sleep`). GPUs only: vLLM's CPU platform has no sleep mode.",
+    )
 
     @model_validator(mode="after")
     def _gpu_features(self) -> "ModelConfig":
@@ -143,6 +154,8 @@ class ModelConfig(_Section):
                 raise ValueError(f"return_routed_experts: {CPU_NO_ROUTED_EXPERTS}")
             if self.quantization is not None:
                 raise ValueError(f"quantization: {CPU_NO_FP8}")
+            if self.enable_sleep_mode:
+                raise ValueError(f"enable_sleep_mode: {SLEEP_ON_CPU}")
         if self.return_routed_experts and not self.enable_prefix_caching:
             # vLLM keys routed experts by the prefix cache's block hashes (its AuxOutput connector).
             raise ValueError("return_routed_experts needs enable_prefix_caching: vLLM keeps routed experts by the prefix cache's block hashes")

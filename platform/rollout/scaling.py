@@ -7,7 +7,8 @@ back as :class:`rollout.contracts.load.ReplicaLoad`) and this
 policy sizes the deployment so each replica carries ``target_ongoing_requests``
 sequences. Serve wraps custom policies with the configured bounds and the
 upscale/downscale delays, which are kept >= the look-back window so a steady load
-gives a steady count.
+gives a steady count. Replicas that slept in the window (a co-located trainer's ``/sleep``,
+``rollout.sync.sleep``) hold no work on purpose: the count stays as it is.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def engine_load_policy(ctx: Any) -> tuple[float, dict]:
     running = list(ctx.running_replicas)
     missing = [r for r in running if r not in sequences]
     target = ctx.config.get_target_ongoing_requests()
+    asleep = [r for r, load in loads.items() if load.sleep_level]
+    if asleep:
+        # A trainer's /sleep: the engines hold no work on purpose (their GPUs train) and
+        # wake with the same replicas; neither scale down nor up on that.
+        logger.info("autoscaling: %d replicas slept in the window (a trainer's /sleep); keeping %d", len(asleep), ctx.target_num_replicas)
+        return ctx.target_num_replicas, {}
     if not sequences:
         # No engine has reported yet (all starting): keep the count rather than guess.
         logger.info("autoscaling: no engine load reported yet by %d replicas; keeping %d", len(running), ctx.target_num_replicas)

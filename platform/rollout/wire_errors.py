@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from rollout.api import ErrorResponse
-from rollout.contracts.sync_protocol import DeltaBaseError, SyncError
+from rollout.contracts.sync_protocol import DeltaBaseError, FleetAsleepError, SleepUnavailableError, SyncError
 from rollout.errors import (
     AdapterNotFoundError,
     AuthenticationError,
@@ -77,13 +77,18 @@ SYNC_FAILED = WireError(
     409,
     "sync_error",
     # The one 409 the sync routes document: it names the delta refusal's type too.
-    "The sync round was refused or failed (`sync_error`; `delta_base_error`: a delta's base is not the committed weights, publish in full); replicas keep the committed version.",
+    "The sync round was refused or failed (`sync_error`; `delta_base_error`: a delta's base is not the committed weights, publish in full; "
+    "`fleet_asleep`: the replicas sleep, `/wake_up` first; `sleep_unavailable`: sleep mode is off or the platform has none); replicas keep the committed version.",
     False,
     by_status=False,
 )
 # A delta onto another base than the committed weights (rollout.sync.delta): its own type,
 # so a publisher over HTTP falls back to a full send exactly as one over Serve does.
 DELTA_BASE = WireError(DeltaBaseError, 409, "delta_base_error", SYNC_FAILED.description, False, by_status=False)
+# A round (or a /sleep at another level) refused while the replicas sleep, and the sleep
+# routes on a platform without sleep mode: types of their own, read back as the same types.
+FLEET_ASLEEP = WireError(FleetAsleepError, 409, "fleet_asleep", SYNC_FAILED.description, False, by_status=False)
+SLEEP_UNAVAILABLE = WireError(SleepUnavailableError, 409, "sleep_unavailable", SYNC_FAILED.description, False, by_status=False)
 TOO_LARGE = WireError(InvalidRequestError, 413, "invalid_request_error", "Body larger than `http.max_body_bytes`.", False, raised=False)
 OVERLOADED = WireError(OverloadedError, 429, "overloaded", "Overloaded: the queue (`deployment.max_queued_requests`) is full; retry after `Retry-After` seconds.", True)
 # The ingress's own fault (rollout.http.last_resort): the same call fails the same way.
@@ -91,7 +96,8 @@ INTERNAL = WireError(RolloutError, 500, "internal_error", "A fault of the platfo
 UNAVAILABLE = WireError(EngineUnavailableError, 503, "engine_unavailable", "No engine can serve it now (retryable).", True)
 
 TABLE: tuple[WireError, ...] = (
-    INVALID, UNAUTHENTICATED, FORBIDDEN, EPISODE_LOST, ADAPTER_NOT_FOUND, STALE_WEIGHTS, SYNC_FAILED, DELTA_BASE, TOO_LARGE, OVERLOADED, INTERNAL, UNAVAILABLE,
+    INVALID, UNAUTHENTICATED, FORBIDDEN, EPISODE_LOST, ADAPTER_NOT_FOUND, STALE_WEIGHTS, SYNC_FAILED, DELTA_BASE, FLEET_ASLEEP, SLEEP_UNAVAILABLE, TOO_LARGE, OVERLOADED,
+    INTERNAL, UNAVAILABLE,
 )
 
 _RAISED = {row.error: row for row in TABLE if row.raised}

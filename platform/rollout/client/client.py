@@ -155,6 +155,28 @@ class RolloutClient:
         fleet's is ``rollout status`` and the metrics."""
         return await self._transport().stats()
 
+    # ---- sleep and wake: a trainer that shares the replicas' GPUs -----------------------
+
+    async def sleep(self, level: int = 1, mode: str = "abort", token: Optional[str] = None) -> None:
+        """Every replica's engine sleeps (vLLM's sleep mode; ``model.enable_sleep_mode``),
+        freeing its GPU memory: ``level`` 1 offloads the weights to host memory and drops
+        the KV cache, 2 discards both. ``mode``: what requests in flight meet (``abort``,
+        ``wait``, or at level 1 ``keep``). Returns once every replica sleeps; until the wake,
+        requests raise the retryable ``NotServingError`` and publishes ``FleetAsleepError``.
+        ``token``: the sync token (default: ``ROLLOUT_SYNC_TOKEN``). ``SleepUnavailableError``
+        where sleep mode is off or the platform has none (CPU)."""
+        await self._transport().sleep(level, mode, token)
+
+    async def wake_up(self, tags: Optional[Sequence[str]] = None, token: Optional[str] = None) -> bool:
+        """Every replica wakes ``tags`` (``"weights"``, ``"kv_cache"``; None: both); after a
+        level-2 sleep each replica reloads the committed version as its weights wake, before
+        it serves. Returns whether the replicas are fully awake, once every one applied it."""
+        return await self._transport().wake_up(tuple(tags) if tags is not None else None, token)
+
+    async def is_sleeping(self, token: Optional[str] = None) -> bool:
+        """Whether the replicas sleep (any tag asleep)."""
+        return await self._transport().is_sleeping(token)
+
     # ---- blocking API ---------------------------------------------------------------
 
     def _loop(self) -> _LoopThread:
@@ -167,6 +189,15 @@ class RolloutClient:
 
     def stats_sync(self) -> ReplicaLoad:
         return self._loop().run(self.stats())
+
+    def sleep_sync(self, level: int = 1, mode: str = "abort", token: Optional[str] = None) -> None:
+        self._loop().run(self.sleep(level, mode, token))
+
+    def wake_up_sync(self, tags: Optional[Sequence[str]] = None, token: Optional[str] = None) -> bool:
+        return self._loop().run(self.wake_up(tags, token))
+
+    def is_sleeping_sync(self, token: Optional[str] = None) -> bool:
+        return self._loop().run(self.is_sleeping(token))
 
     def stream_sync(self, request: RequestLike) -> Iterator[RolloutChunk]:
         loop = self._loop()

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar
 
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
 from rollout.batching import fan_out
 from rollout.client.transport import DEFAULT_TIMEOUT_S
 from rollout.contracts.load import ReplicaLoad
+from rollout.contracts.sync_protocol import COORDINATOR_NAME, SYNC_TOKEN_ENV, FleetQuery, RouteCommand, SleepFleet, SyncError, WakeFleet
 from rollout.engine.openai_app import ForwardedRequest
 from rollout.errors import EngineUnavailableError, NotServingError, ReplicaLostError, as_overloaded, replica_lost, unwrap_remote
+from rollout.sync.coordinator_client import CoordinatorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +28,12 @@ class _ClientDeadline(EngineUnavailableError):
 
 
 class HandleTransport:
-    def __init__(self, handle, batch_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, handle, batch_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, coordinator: Optional[Callable[[], Any]] = None):
         self._handle = handle
+        # The weight-sync coordinator's handle, made when sleep or wake first needs it (an
+        # app without weight sync has none): those drive every replica through it.
+        self._coordinator_of = coordinator
+        self._coordinator: Optional[CoordinatorHandle] = None
         self._stream_handle = self._handle.options(stream=True)
         self._batch_size = batch_size
         self._timeout_s = timeout_s
@@ -61,7 +68,10 @@ class HandleTransport:
     def from_app(cls, app_name: str, deployment: str, batch_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> "HandleTransport":
         from ray import serve
 
-        return cls(serve.get_deployment_handle(deployment, app_name=app_name), batch_size, timeout_s)
+        def coordinator() -> Any:
+            return serve.get_deployment_handle(COORDINATOR_NAME, app_name=app_name)
+
+        return cls(serve.get_deployment_handle(deployment, app_name=app_name), batch_size, timeout_s, coordinator)
 
     async def _call(self, chunk: Sequence[RolloutRequest], offset: int) -> list[RolloutResult]:
         avoid = None
@@ -150,6 +160,27 @@ class HandleTransport:
 
             return start, rest()
         raise AssertionError("unreachable")
+
+    # ---- sleep and wake: through the coordinator, over every replica -----------------------
+
+    async def _drive(self, command: RouteCommand, token: Optional[str]) -> Any:
+        if self._coordinator is None:
+            if self._coordinator_of is None:
+                raise SyncError("this client has no weight-sync coordinator to drive (built without one)")
+            try:
+                self._coordinator = CoordinatorHandle(self._coordinator_of())
+            except Exception as e:
+                raise SyncError(f"no weight-sync coordinator in this app (sync.enabled: false?): {type(e).__name__}: {e}") from None
+        return await self._coordinator.drive(token if token is not None else os.environ.get(SYNC_TOKEN_ENV), command)
+
+    async def sleep(self, level: int, mode: str, token: Optional[str]) -> None:
+        await self._drive(SleepFleet(level, mode), token)
+
+    async def wake_up(self, tags: Optional[tuple[str, ...]], token: Optional[str]) -> bool:
+        return bool(await self._drive(WakeFleet(tuple(tags) if tags else None), token))
+
+    async def is_sleeping(self, token: Optional[str]) -> bool:
+        return bool(await self._drive(FleetQuery.IS_SLEEPING, token))
 
     async def stats(self) -> ReplicaLoad:
         """The load of the replica Serve's router picks for this call."""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional, Sequence
+import os
+from typing import Any, AsyncIterator, Optional, Sequence
 
 import httpx
 
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutBatch, RolloutBatchResult, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
 from rollout.contracts.load import ReplicaLoad
+from rollout.contracts.sync_protocol import SYNC_TOKEN_ENV
 from rollout.errors import EngineUnavailableError, ReplicaLostError
+from rollout.sync.auth import SYNC_TOKEN_HEADER
 from rollout.wire_errors import decode
 
 
@@ -25,9 +28,9 @@ class HttpTransport:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
 
-    async def _request(self, method: str, path: str, body: Optional[dict] = None) -> httpx.Response:
+    async def _request(self, method: str, path: str, body: Optional[dict] = None, params: Any = None, headers: Optional[dict] = None) -> httpx.Response:
         try:
-            resp = await self._client.request(method, path, json=body)
+            resp = await self._client.request(method, path, json=body, params=params, headers=headers)
         except httpx.TimeoutException as e:
             raise EngineUnavailableError(f"{path}: no answer within the client's timeout_s ({type(e).__name__})") from None
         except httpx.TransportError as e:
@@ -58,6 +61,23 @@ class HttpTransport:
         """``GET /v1/stats``: the load of the replica the ingress's router picks."""
         resp = await self._request("GET", "/v1/stats")
         return ReplicaLoad.model_validate_json(resp.content)
+
+    # ---- sleep and wake: vLLM's routes, over every replica ---------------------------------
+
+    @staticmethod
+    def _sync_headers(token: Optional[str]) -> dict:
+        token = token if token is not None else os.environ.get(SYNC_TOKEN_ENV)
+        return {SYNC_TOKEN_HEADER: token} if token else {}
+
+    async def sleep(self, level: int, mode: str, token: Optional[str]) -> None:
+        await self._request("POST", "/sleep", params={"level": level, "mode": mode}, headers=self._sync_headers(token))
+
+    async def wake_up(self, tags: Optional[tuple[str, ...]], token: Optional[str]) -> bool:
+        resp = await self._request("POST", "/wake_up", params=[("tags", t) for t in tags or ()], headers=self._sync_headers(token))
+        return resp.json()["status"] == "awake"
+
+    async def is_sleeping(self, token: Optional[str]) -> bool:
+        return bool((await self._request("GET", "/is_sleeping", headers=self._sync_headers(token))).json()["is_sleeping"])
 
     async def stream(self, request: RolloutRequest) -> AsyncIterator[RolloutChunk]:
         body = request.model_dump(mode="json", exclude_none=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator, Optional, Protocol, Sequence
 
 from rollout.api import EpisodeRef, EpisodeStart, EpisodeStarted, EpisodeTurn, RolloutChunk, RolloutRequest, RolloutResult, Trajectory, TurnResult
 from rollout.contracts.load import ReplicaLoad
@@ -29,5 +29,15 @@ class Transport(Protocol):
     async def stats(self) -> ReplicaLoad:
         """One engine replica's load and weight version (the one the router picks)."""
         ...
+
+    # vLLM's sleep mode over every replica (rollout.sync.sleep), with the sync credential
+    # (``token``; None: the transport's default).
+    async def sleep(self, level: int, mode: str, token: Optional[str]) -> None: ...
+
+    async def wake_up(self, tags: Optional[tuple[str, ...]], token: Optional[str]) -> bool:
+        """Whether the replicas are fully awake."""
+        ...
+
+    async def is_sleeping(self, token: Optional[str]) -> bool: ...
 
     async def close(self) -> None: ...

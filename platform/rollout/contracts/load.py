@@ -28,7 +28,7 @@ Count = Union[int, float]
 # Serve's names of the custom autoscaling metrics, by the field each one carries.
 # Running and waiting travel apart so that they come back apart: Serve's time-weighted
 # mean is linear, so their sum is still the mean number of sequences.
-AUTOSCALING_METRICS = {"running": "engine_running", "waiting": "engine_waiting", "kv_cache_usage": "kv_cache_usage"}
+AUTOSCALING_METRICS = {"running": "engine_running", "waiting": "engine_waiting", "kv_cache_usage": "kv_cache_usage", "sleep_level": "engine_sleep_level"}
 
 
 class ReplicaLoad(BaseModel):
@@ -53,6 +53,9 @@ class ReplicaLoad(BaseModel):
     # The highest kv_cache_usage the engine reported since the replica's current run of
     # in-flight requests began (idle: in its last one), 0-1: what a burst of work used.
     kv_cache_usage_peak: Optional[float] = None
+    # vLLM's sleep level of its engine (a trainer's /sleep): 0 awake, 1 or 2 asleep. Read
+    # back from the autoscaler it is a mean over the window: above 0, it slept in it.
+    sleep_level: Optional[Count] = None
 
     @property
     def sequences(self) -> Optional[Count]:

@@ -17,6 +17,11 @@ SYNC_TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"  # where publishers and the coordinator fi
 DEFAULT_BUCKET_BYTES = 32 << 20  # bytes per packed bucket (sync.bucket_bytes)
 
 PauseMode = Literal["keep", "wait", "abort"]
+# What vLLM's sleep mode puts to sleep (``vllm.v1.executor.abstract.SLEEP_TAGS``), as its
+# ``/wake_up?tags=`` names them: a trainer may wake the weights first (to publish into them)
+# and the KV cache last.
+SleepTag = Literal["weights", "kv_cache"]
+SLEEP_TAGS: tuple[SleepTag, ...] = ("kv_cache", "weights")  # sorted: a Control compares them as a tuple
 
 # Bytes per element of the dtypes a checkpoint may hold (torch's names, no "torch." prefix).
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
@@ -58,6 +63,24 @@ class DeltaBaseError(SyncError):
     """A delta names a base its receiver does not hold (another version, or bytes whose
     digest differs): it is refused before anything loads, never applied onto the wrong
     base (rollout.sync.delta). The publisher then sends in full."""
+
+
+class FleetAsleepError(SyncError):
+    """Refused because the replicas sleep (``/sleep``): a round cannot load weights that are
+    offloaded or discarded. ``state`` names the sleep (its level and the tags still asleep);
+    ``/wake_up`` (at least ``tags=weights``) first."""
+
+    def __init__(self, message: str, state: str = ""):
+        self.state = state
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.state))
+
+
+class SleepUnavailableError(SyncError):
+    """Sleep mode is off on this platform: ``model.enable_sleep_mode`` is false, or the
+    replicas run where vLLM has no sleep mode (its CPU platform); the message says which."""
 
 
 class NotRegisteredError(SyncError):
@@ -406,6 +429,21 @@ class SessionPlan:
 
 
 @dataclass(frozen=True)
+class Sleep:
+    """The replicas' sleep, as a trainer asked it through ``/sleep`` and ``/wake_up``:
+    vLLM's sleep level (1: weights offloaded to host memory, KV cache dropped; 2: both
+    discarded), the pause mode requests in flight met, and the tags still asleep (a partial
+    ``/wake_up`` wakes some). Awake again once none is."""
+
+    level: int
+    mode: PauseMode = "abort"
+    asleep: tuple[SleepTag, ...] = SLEEP_TAGS
+
+    def describe(self) -> str:
+        return f"asleep at level {self.level} ({', '.join(self.asleep)} asleep)"
+
+
+@dataclass(frozen=True)
 class Control:
     """What a trainer asked of every replica outside rounds, through vLLM's routes.
 
@@ -416,6 +454,7 @@ class Control:
     paused: Optional[PauseMode] = None  # ``/pause``'s mode, held until ``/resume``
     clear_cache: bool = False  # ``/pause``'s clear_cache
     cache_resets: int = 0  # ``/reset_prefix_cache`` calls so far
+    sleep: Optional[Sleep] = None  # ``/sleep``'s, until ``/wake_up`` wakes every tag
 
 
 # ---- vLLM's RL routes: what a trainer asks of the whole fleet -------------------------
@@ -426,7 +465,8 @@ class Control:
 class FleetQuery(enum.Enum):
     """The routes that carry no arguments. Answers: ``None``, except ``RESET_PREFIX_CACHE``
     (bool: every replica's reset succeeded), ``IS_PAUSED`` (bool), ``WEIGHT_VERSION``
-    (int: the committed version) and ``WORLD_SIZE`` (int: the ranks besides the trainer)."""
+    (int: the committed version), ``WORLD_SIZE`` (int: the ranks besides the trainer) and
+    ``IS_SLEEPING`` (bool)."""
 
     RESUME = "resume"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
@@ -435,6 +475,7 @@ class FleetQuery(enum.Enum):
     WORLD_SIZE = "world_size"
     SHUTDOWN_SESSION = "shutdown_weight_transfer_engine"
     START_UPDATE = "start_weight_update"
+    IS_SLEEPING = "is_sleeping"  # bool: any tag of the replicas is asleep
     # The credential alone (answer None): a route that reads a path the caller names reads
     # it only once the coordinator admitted the caller (the ingress holds no sync token).
     AUTHORIZE = "authorize"
@@ -490,7 +531,25 @@ class UnloadAdapter:
     name: str
 
 
-RouteCommand = Union[FleetQuery, Pause, OpenSession, Update, FinishUpdate, LoadAdapter, UnloadAdapter]
+@dataclass(frozen=True)
+class SleepFleet:
+    """``/sleep``: every live replica's engine sleeps at ``level`` (vLLM's sleep mode), its
+    requests in flight met by ``mode``; answered (None) once all sleep."""
+
+    level: int
+    mode: PauseMode = "abort"
+
+
+@dataclass(frozen=True)
+class WakeFleet:
+    """``/wake_up``: every live replica wakes ``tags`` (None: all); after a level-2 sleep a
+    replica whose weights wake reloads the committed version before it serves again.
+    Answer: whether the replicas are fully awake (bool), once all applied it."""
+
+    tags: Optional[tuple[SleepTag, ...]] = None
+
+
+RouteCommand = Union[FleetQuery, Pause, OpenSession, Update, FinishUpdate, LoadAdapter, UnloadAdapter, SleepFleet, WakeFleet]
 
 
 @dataclass

@@ -6,8 +6,8 @@ import logging
 import os
 from typing import Any, Literal
 
-from rollout.config import ModelConfig
-from rollout.engine.memory import memory_kwargs
+from rollout.config import SLEEP_ON_CPU, ModelConfig
+from rollout.engine.memory import EngineStartError, memory_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,12 @@ def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:
     if model.lora.enabled:
         # Published adapters (rollout.sync.adapters) load into every engine through vLLM's LoRA support.
         kw.update(enable_lora=True, max_loras=model.lora.max_loras, max_lora_rank=model.lora.max_lora_rank, max_cpu_loras=model.lora.max_cpu_loras)
+    if model.enable_sleep_mode:
+        if device != "cuda":
+            # device "auto" resolved to CPU (the model's own check sees only an explicit "cpu").
+            raise EngineStartError(f"model.enable_sleep_mode: true, but the replicas run on {device}: {SLEEP_ON_CPU}", "model.enable_sleep_mode")
+        # vLLM's sleep mode (/sleep, /wake_up): it allocates weights and KV cache through its cumem allocator.
+        kw["enable_sleep_mode"] = True
     # On CPU this reads the node's free memory: call it where the engine runs.
     kw.update(memory_kwargs(model, device))
     if device == "cuda" and model.tensor_parallel_size > 1:

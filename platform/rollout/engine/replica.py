@@ -380,6 +380,7 @@ class RolloutEngine:
             weight_version=self._weight_version_label(),
             max_num_seqs=self.config.model.max_num_seqs,
             updated_at=s.last_step_wall,
+            sleep_level=self.gate.sleep_level,
         )
 
     def _weight_version_label(self) -> str:
@@ -427,8 +428,9 @@ class RolloutEngine:
             self._raise_if_engine_dead()  # with the death reported, when it is one
             raise
         inflight = self.admission.inflight
-        if self.gate.held:
-            # A trainer's /pause holds the requests on purpose; its /resume starts the clock again.
+        if self.gate.held or self.gate.asleep:
+            # A trainer's /pause (or /sleep) holds the requests on purpose; its /resume
+            # (/wake_up) starts the clock again. Asleep, the engine is alive: passing.
             inflight.restart_clock()
             return
         idle_for = inflight.stalled_for(self.adapter.snapshot)

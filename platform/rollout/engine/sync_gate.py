@@ -28,6 +28,8 @@ class SyncState(Protocol):
     held: bool  # generation is paused by a trainer's ``/pause`` until its ``/resume``
     broken: Optional[str]  # why this replica must not serve (it should be replaced), or None
     awaiting_publish: Optional[str]  # why it refuses requests until the next publish, or None
+    asleep: Optional[str]  # why it refuses requests while a trainer's /sleep holds it, or None
+    sleep_level: int  # the sleep level its engine is at (0: awake)
     version: int  # the policy version its weights hold
     committed: int  # the newest committed version it has heard of
     salts: CacheSalts  # each request's prefix-cache salt, by the version it starts under
@@ -56,6 +58,8 @@ class NoSync:
     held = False
     broken: Optional[str] = None
     awaiting_publish: Optional[str] = None
+    asleep: Optional[str] = None  # sleep is driven through the coordinator: never without it
+    sleep_level = 0
     version = 0
     committed = 0
     known_committed: Optional[int] = 0
@@ -118,6 +122,15 @@ class SyncGate:
         return self.sync.version
 
     @property
+    def asleep(self) -> bool:
+        """A trainer's /sleep holds this replica: requests are refused and nothing runs."""
+        return self.sync.asleep is not None
+
+    @property
+    def sleep_level(self) -> int:
+        return self.sync.sleep_level
+
+    @property
     def known_committed(self) -> Optional[int]:
         return self.sync.known_committed
 
@@ -176,10 +189,13 @@ class SyncGate:
             raise EngineUnavailableError(f"replica {self.replica_id}: {self.sync.broken}")
 
     def raise_if_awaiting_publish(self) -> None:
-        """Alive but waiting for the next publish: its health check passes; its requests
-        are refused at once, retryably."""
+        """Alive but waiting for the next publish, or asleep (a trainer's /sleep, until its
+        /wake_up has the committed weights back): its health check passes; its requests are
+        refused at once, retryably."""
         if self.sync.awaiting_publish:
             raise NotServingError(f"replica {self.replica_id}: {self.sync.awaiting_publish}", self.replica_id)
+        if self.sync.asleep:
+            raise NotServingError(f"{self.sync.asleep}; retry once the trainer wakes the replicas", self.replica_id)
 
     async def admit(self, prepared: Prepared, offset: int = 0) -> None:
         """Hold a batch until this replica serves the policy version it needs: the

@@ -1,7 +1,8 @@
 """vLLM's RL control routes (``vllm serve``'s RL mode), coordinated over every replica.
 
 Same paths, parameters and payloads as ``vllm/entrypoints/rl/online/api_router.py``
-(plus ``/reset_prefix_cache`` from its dev routes, and ``/v1/load_lora_adapter`` and
+(plus ``/reset_prefix_cache`` and ``/sleep``, ``/wake_up`` and ``/is_sleeping`` from its dev
+routes (``rollout.sync.sleep``), and ``/v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` from ``vllm/entrypoints/serve/lora/api_router.py``); behind
 them the coordinator turns one trainer's calls into rounds over every replica (see
 ``rollout/sync/sessions.py``; an adapter is an ``AdapterRound``, its unload an
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout import wire_errors as wire
 from rollout.api import NonNegativeInt
 from rollout.config import PlatformConfig
-from rollout.contracts.sync_protocol import AdapterRequest, FinishUpdate, FleetQuery, LoadAdapter, OpenSession, Pause, PauseMode, RouteCommand, RoundOutcome, SyncError, UnloadAdapter, Update
+from rollout.contracts.sync_protocol import AdapterRequest, FinishUpdate, FleetQuery, LoadAdapter, OpenSession, Pause, PauseMode, RouteCommand, RoundOutcome, SleepFleet, SleepTag, SyncError, UnloadAdapter, Update, WakeFleet
 from rollout.errors import ForbiddenError, InvalidRequestError
 from rollout.http.routes_app import REFUSED_ERRORS, SYNC_ERRORS, admit, app
 from rollout.sync.adapters import CONFIG_FILE, NAME, TENSORS_FILE, read_peft_directory
@@ -146,6 +147,30 @@ class VllmRlRoutes:
     async def rl_is_paused(self, request: Request) -> dict:
         """Whether the replicas are paused by `/pause`."""
         return {"is_paused": await self._drive(request, FleetQuery.IS_PAUSED)}
+
+    # ---- vLLM's sleep routes (its dev routes: vllm/entrypoints/serve/dev/sleep), over every replica
+
+    @app.post("/sleep", responses=SYNC_ERRORS)
+    async def rl_sleep(
+        self, request: Request, level: Annotated[int, Query(ge=1, le=2, description="1: weights offloaded to host memory, KV cache dropped; 2: both discarded (level 0 is `/pause` here).")] = 1,
+        mode: Annotated[PauseMode, Query(description="Requests in flight: `abort` ends them, `wait` finishes them first, `keep` freezes them until the wake (level 1 only).")] = "abort",
+    ) -> dict:
+        """Every live replica's engine sleeps (vLLM's sleep mode, `model.enable_sleep_mode`), freeing its GPU memory for a trainer that shares the GPUs; returns once all sleep. Requests are refused (503, retryable) and rounds refused (409 `fleet_asleep`) until `/wake_up`."""
+        await self._drive(request, SleepFleet(level, mode))
+        return {"status": "sleeping", "level": level}
+
+    @app.post("/wake_up", responses=SYNC_ERRORS)
+    async def rl_wake_up(
+        self, request: Request, tags: Annotated[Optional[list[SleepTag]], Query(description="What to wake (repeat for both): `weights`, `kv_cache`; none: both.")] = None
+    ) -> dict:
+        """Every replica wakes `tags`; after a level-2 sleep a replica whose weights wake reloads the committed version before it serves; returns once all have. `status`: `awake` once nothing sleeps."""
+        fully = await self._drive(request, WakeFleet(tuple(tags) if tags else None))
+        return {"status": "awake" if fully else "sleeping", "tags": tags}
+
+    @app.get("/is_sleeping", responses=SYNC_ERRORS)
+    async def rl_is_sleeping(self, request: Request) -> dict:
+        """Whether the replicas sleep (any tag), by `/sleep` until `/wake_up` wakes every tag."""
+        return {"is_sleeping": await self._drive(request, FleetQuery.IS_SLEEPING)}
 
     @app.post("/reset_prefix_cache", responses=SYNC_ERRORS)
     async def rl_reset_prefix_cache(self, request: Request, reset_running_requests: OnlyFalse = False, reset_external: OnlyFalse = False) -> dict:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.contracts.sync_protocol import CoordinatorUnreachableError, PublisherUnreachableError, SyncError
+from rollout.contracts.sync_protocol import CoordinatorUnreachableError, FleetAsleepError, PublisherUnreachableError, SleepUnavailableError, SyncError
 
-__all__ = ["WeightPublisher", "SyncError", "PublisherUnreachableError", "CoordinatorUnreachableError"]
+__all__ = ["WeightPublisher", "SyncError", "PublisherUnreachableError", "CoordinatorUnreachableError", "FleetAsleepError", "SleepUnavailableError"]
 
 
 def __getattr__(name: str) -> Any:

@@ -65,6 +65,7 @@ from rollout.sync.checkpoint import checkpoint_spec
 from rollout.sync.clock import PhaseClock
 from rollout.sync.coordinator_client import CoordinatorHandle
 from rollout.sync.salt import CacheSalts
+from rollout.sync.sleep import ReplicaSleep
 from rollout.sync.storage import verify_checkpoint
 
 if TYPE_CHECKING:
@@ -185,6 +186,8 @@ class SyncAgent:
         # What a trainer asked through vLLM's routes (/pause, /reset_prefix_cache), as applied here.
         self.control = Control()
         self._reset_ok = True
+        # The engine's sleep (a trainer's /sleep and /wake_up, in the Control): rollout.sync.sleep.
+        self.sleep = ReplicaSleep(engine, replica_id)
         # Each request's prefix-cache salt (sync.prefix_cache): with `salt`, an update
         # flushes vLLM's prefix cache only when `keep` carries requests across it.
         self.salts = CacheSalts(salting=sync.prefix_cache == "salt")
@@ -211,6 +214,16 @@ class SyncAgent:
     def held(self) -> bool:
         """Generation is paused by a trainer's ``/pause`` until its ``/resume``."""
         return self.control.paused is not None
+
+    @property
+    def asleep(self) -> Optional[str]:
+        """Why this replica refuses requests while a trainer's ``/sleep`` holds it (asleep, or
+        reloading the committed weights a level-2 sleep discarded), or None."""
+        return self.sleep.refusal
+
+    @property
+    def sleep_level(self) -> int:
+        return self.sleep.level
 
     @property
     def broken(self) -> Optional[str]:
@@ -355,13 +368,18 @@ class SyncAgent:
 
     async def _apply_control(self, want: Control) -> None:
         try:
+            woke = await self.sleep.converge(want.sleep, self._restore)
+            if woke and want.paused and want.paused == self.control.paused:
+                # vLLM's wake resumed its scheduler; the trainer's /pause still holds it.
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
             if want.paused and want.paused != self.control.paused:
                 # As vLLM's /pause: the trainer's clear_cache decides. Requests sent during
                 # the hold start under whatever version its /resume finds: their own salt.
                 await self.engine.pause_generation(mode=want.paused, clear_cache=want.clear_cache)
                 self.salts.pause()
             elif not want.paused and self.control.paused:
-                await self.engine.resume_generation()
+                if self.sleep.state is None:  # asleep, vLLM resumes its scheduler once fully awake
+                    await self.engine.resume_generation()
                 self.salts.resume()
             if want.cache_resets != self.control.cache_resets:
                 self._reset_ok = bool(await self.engine.reset_prefix_cache())
@@ -484,7 +502,9 @@ class SyncAgent:
                 self._engine_group = moved.joined
             consistent = decision.serving or await self._recover(plan, moved, decision, limits)
         finally:
-            if consistent and not self.held and not self.awaiting_publish:
+            # Not while any tag sleeps (a round under a partial wake): vLLM's wake resumes
+            # the scheduler once every tag is awake again.
+            if consistent and not self.held and not self.awaiting_publish and self.sleep.state is None:
                 async with clock("resume"):
                     await self.engine.resume_generation()
             # A round that leaves the engine paused waits for a restore, which pauses

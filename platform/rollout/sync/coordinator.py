@@ -23,13 +23,14 @@ import logging
 from typing import Any, Optional, Union
 
 from rollout.config import PlatformConfig
-from rollout.contracts.sync_protocol import REREGISTER, AdapterRemovalRound, AdapterRequest, AdapterRound, CommittedAdapters, Control, FinishUpdate, FleetQuery, HeldAdapter, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SyncError, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
+from rollout.contracts.sync_protocol import REREGISTER, AdapterRemovalRound, AdapterRequest, AdapterRound, CommittedAdapters, Control, FinishUpdate, FleetQuery, HeldAdapter, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SleepFleet, SleepUnavailableError, SyncError, WakeFleet, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.errors import AdapterNotFoundError
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
 from rollout.sync.membership import Membership
 from rollout.sync.rounds import Rounds
 from rollout.sync.sessions import RouteSessions
+from rollout.sync.sleep import unavailable as sleep_unavailable
 from rollout.sync.store import CommittedWeights
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,11 @@ class WeightSyncCoordinator:
                 f"{name!r} is not a published LoRA adapter (published: {', '.join(map(repr, published)) or 'none'})", field="name"
             ) from None
 
+    def _check_sleep_mode(self) -> None:
+        why = sleep_unavailable(self.config.model)
+        if why is not None:
+            raise SleepUnavailableError(why)
+
     def _check_lora(self) -> None:
         if not self.config.model.lora.enabled:
             raise SyncError("LoRA adapters are off: the engines start with vLLM's LoRA support only with model.lora.enabled: true")
@@ -224,6 +230,8 @@ class WeightSyncCoordinator:
             "adapters": self.store.adapter_versions(),
             "adapters_without_copy": sorted(self.store.learned),
             "backend": self.backend,
+            # The replicas' sleep (/sleep, /wake_up): None while awake.
+            "sleep": self.membership.control.sleep.describe() if self.membership.control.sleep is not None else None,
         }
 
     # ---- vLLM's RL routes (RouteSessions) ------------------------------------------
@@ -263,6 +271,15 @@ class WeightSyncCoordinator:
             case UnloadAdapter(name=name):
                 self._check_lora()
                 return await self.rounds.remove_adapter(name)
+            case SleepFleet(level=level, mode=mode):
+                self._check_sleep_mode()
+                await self.sessions.sleep(level, mode)
+            case WakeFleet(tags=tags):
+                self._check_sleep_mode()
+                return await self.sessions.wake(tags)
+            case FleetQuery.IS_SLEEPING:
+                self._check_sleep_mode()
+                return self.membership.control.sleep is not None
             case _:
                 raise SyncError(f"command: {type(command).__name__} is not one of vLLM's RL routes")
         return None

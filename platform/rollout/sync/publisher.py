@@ -212,6 +212,8 @@ class WeightPublisher:
         ``ROLLOUT_PUBLISHER_ADDRESS``, which overrides it. ``CoordinatorUnreachableError``
         (a ``SyncError``) says the coordinator did not answer in time (this host's link or
         the ingress went away): mid-round, within the round's own bounds, not the client's.
+        ``FleetAsleepError`` (a ``SyncError``) says the replicas' weights sleep (a co-located
+        trainer's ``/sleep``, ``RolloutClient.sleep``): nothing opened; wake them first.
         """
         t0 = time.perf_counter()
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors

@@ -48,6 +48,7 @@ from rollout.sync import digest as digests_
 from rollout.sync.membership import Membership
 from rollout.sync.adapters import adapter_of, check_adapter
 from rollout.sync.rules import assign_ranks, check_spec
+from rollout.sync.sleep import refuse_round
 from rollout.sync.store import CommittedWeights
 
 HISTORY = 20  # round outcomes kept for status()
@@ -285,6 +286,7 @@ class Rounds:
         self.store.check_checkpoint(request.checkpoint)
         self._check_version(request.version)
         async with self.opening():
+            refuse_round(self.membership.control.sleep, "a publish")  # under the lock: a /sleep may have come while it waited
             self._check_delta_base(offered)  # under the lock: no commit moves the base meanwhile
             plan = self._plan_push(request, offered)
             self.store.offered(plan.round_id, request.checkpoint)
@@ -354,6 +356,7 @@ class Rounds:
         self.store.check_checkpoint(request.checkpoint)
         self._check_version(request.version)
         async with self.opening():
+            refuse_round(self.membership.control.sleep, "a storage publish")
             self._check_version(request.version)  # again: a round may have committed while this one waited
             version = self.store.version + 1 if request.version is None else request.version
             members, _ = assign_ranks(self.live())
@@ -378,6 +381,7 @@ class Rounds:
         check_adapter(request, self.membership.params, max_rank=max_rank, served_name=served_name)
         self._check_adapter_version(request, inplace)
         async with self.opening():
+            refuse_round(self.membership.control.sleep, f"publishing adapter {request.name!r}")
             self._check_adapter_version(request, inplace)  # again: a round may have committed while this one waited
             version = self.store.last_adapter_version(request.name) + 1 if request.version is None else request.version
             members, _ = assign_ranks(self.live())
@@ -402,6 +406,7 @@ class Rounds:
         stopped serving it (an abort leaves it served everywhere and committed).
         :class:`AdapterNotFoundError` when no version of ``name`` is committed."""
         async with self.opening():
+            refuse_round(self.membership.control.sleep, f"unloading adapter {name!r}")
             version = self.store.adapter_version(name)
             if not version:
                 # vLLM's own answer (a 404) to unloading a name it does not serve.

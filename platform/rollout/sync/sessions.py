@@ -19,7 +19,8 @@ says to call ``/get_world_size`` and ``/init_weight_transfer_engine`` again.
 
 ``/pause`` and ``/resume`` set the coordinator's :class:`Control`; replicas apply it on
 their next poll (immediately: the change wakes them) and the route returns once every
-live replica has.
+live replica has. So do ``/sleep`` and ``/wake_up`` (vLLM's sleep mode: ``rollout.sync.sleep``
+holds their rules), which leave a round refused while the replicas' weights sleep.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from rollout.contracts.sync_protocol import Control, ParamSpec, PauseMode, PullR
 from rollout.errors import InvalidRequestError
 from rollout.sync.rounds import Rounds, RoundState
 from rollout.sync.rules import assign_ranks, check_spec
+from rollout.sync.sleep import after_sleep, after_wake, refuse_round
 
 logger = logging.getLogger(__name__)
 
@@ -170,18 +172,42 @@ class RouteSessions:
         await self._set_control(dataclasses.replace(c, cache_resets=c.cache_resets + 1))
         return all(r.reset_ok for r in self.membership.replicas.values())
 
-    async def _set_control(self, c: Control) -> None:
+    # ---- sleep and wake (rollout.sync.sleep) ---------------------------------------------
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        """``/sleep``: every live replica's engine sleeps at ``level``."""
+        c = self.membership.control
+        await self._set_control(dataclasses.replace(c, sleep=after_sleep(c.sleep, level, mode)), revert=False)
+
+    async def wake(self, tags: Optional[tuple[str, ...]]) -> bool:
+        """``/wake_up``: every live replica wakes ``tags`` (None: all), a replica whose weights
+        a level-2 sleep discarded reloading the committed version first; whether the
+        replicas are fully awake."""
+        c = self.membership.control
+        want = after_wake(c.sleep, tags)
+        extra = 0.0
+        if c.sleep is not None and c.sleep.level >= 2 and "weights" in c.sleep.asleep and (want is None or "weights" not in want.asleep):
+            # Each replica restores in a round of its own, one round at a time.
+            extra = len(self.rounds.live()) * self.sync.timeout_s
+        await self._set_control(dataclasses.replace(c, sleep=want), revert=False, extra_s=extra)
+        return want is None
+
+    async def _set_control(self, c: Control, revert: bool = True, extra_s: float = 0.0) -> None:
         """Returns once every live replica applied ``c`` (they poll at once: woken here).
         If some did not in time, the previous control is restored (replicas that applied
-        ``c`` undo it on their next poll) and the call fails: nothing is left half paused."""
+        ``c`` undo it on their next poll) and the call fails: nothing is left half paused.
+        Without ``revert`` (sleep and wake: undoing them costs what doing them did) ``c``
+        stays, the replicas behind apply it on their next poll, and the call says so."""
         members = self.membership
         previous, members.control = members.control, c
         members.wake_all()
         # Long enough for a replica that went away (scaled down, died) without a word to be
         # dropped as silent: waiting on it must not fail the call.
-        timeout = max(self.sync.timeout_s, members.silent_polls * members.poll_s) + members.poll_s
+        timeout = max(self.sync.timeout_s, members.silent_polls * members.poll_s) + members.poll_s + extra_s
         if not await _wait_until(lambda: all(members.replicas[rid].control == c for rid in self.rounds.live()), timeout):
             behind = sorted(rid for rid, r in members.replicas.items() if r.control != c)
+            if not revert:
+                raise SyncError(f"replicas {behind} did not apply {c} within {timeout:.0f}s; they apply it on their next poll")
             members.control = previous
             members.wake_all()
             raise SyncError(f"replicas {behind} did not apply {c} within {timeout:.0f}s (a round in progress holds them); nothing changed")
@@ -204,6 +230,7 @@ class RouteSessions:
         _required(init_info, "master_address", str)
         if self.store.keeps_copy:
             _required(init_info, "group_name", str)  # the coordinator's copy joins the same group
+        refuse_round(self.membership.control.sleep, "/init_weight_transfer_engine")
         port = _required(init_info, "master_port", int)
         if not 1 <= port <= 65535:
             raise InvalidRequestError("init_info.master_port", f"{port} is not a TCP port")
@@ -298,6 +325,7 @@ class RouteSessions:
     async def start_update(self) -> None:
         """Open a round on the session's group; returns once every member has paused and
         started its update (nothing is loaded yet)."""
+        refuse_round(self.membership.control.sleep, "/start_weight_update")
         session = self._current()
         open_ = self._open_update(session)
         if open_ is not None:

@@ -11,6 +11,8 @@ the committed version:
   backend);
 * a :class:`PullRound`: the coordinator's own copy (where the backend keeps one, gloo's
   :class:`~rollout.sync.keeper.WeightKeeper`), which the coordinator sends;
+* at version 0 (nothing published yet), a :class:`ReloadRound` of the model directory the
+  replicas started from (a level-2 sleep discards a replica's weights before any publish);
 * else :class:`NoCommittedCopyError`: the next publish brings the weights.
 
 It also keeps every committed LoRA adapter (:class:`~rollout.contracts.sync_protocol.Adapter`, name ->
@@ -77,6 +79,7 @@ def copy_for(backend: str, model_path: str) -> Optional[CommittedCopy]:
 class CommittedWeights:
     def __init__(self, backend: str, model_path: str, timeout_s: float, rendezvous_ports: Optional[PortRange]):
         self.backend = backend
+        self.model_path = model_path  # what every replica loaded at start: version 0's weights
         self.timeout_s = timeout_s
         self.rendezvous_ports = rendezvous_ports  # where pull rounds' rendezvous listen (sync.rendezvous_ports)
         # The committed version. A restarted coordinator starts at 0 and learns it back
@@ -272,11 +275,19 @@ class CommittedWeights:
         """(directory, manifest id) holding the committed version, or None."""
         return self._checkpoint[1:] if self._checkpoint and self._checkpoint[0] == self.version else None
 
+    def _base_model(self) -> Optional[tuple[str, str]]:
+        """At version 0 with no copy holding it: the model directory itself (what every
+        replica started from), e.g. for a replica whose weights a level-2 sleep discarded
+        before any publish. None otherwise."""
+        if self.version != 0 or (self.keeper is not None and self.keeper.version == 0):
+            return None
+        return self.model_path, ""
+
     async def ready_to_restore(self, replica_id: str) -> None:
         """Wait (up to a step deadline) for the copy of the last commit, if restores need it
         and it is on its way; :class:`NoCommittedCopyError` at once when nothing will hold
         the committed weights (before the caller waits for the round lock)."""
-        if self._committed_checkpoint() is not None:
+        if self._committed_checkpoint() is not None or self._base_model() is not None:
             return
         copy = self._copy
         if copy is not None and not copy.done():
@@ -286,7 +297,7 @@ class CommittedWeights:
     def restore_round(self, member: Member, fields: Callable[..., dict]) -> Union[ReloadRound, PullRound]:
         """The round that brings ``member`` to the committed weights, from the first source
         holding them; ``fields(kind, version, members)`` are the round's shared fields."""
-        checkpoint = self._committed_checkpoint()
+        checkpoint = self._committed_checkpoint() or self._base_model()
         if checkpoint is not None:
             directory, manifest = checkpoint
             return ReloadRound(**fields("reload", self.version, (member,)), checkpoint=directory, manifest=manifest)
