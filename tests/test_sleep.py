@@ -34,7 +34,7 @@ GPU_MODEL = {"path": "/m", "device": "cuda", "enable_sleep_mode": True}
 
 
 def coordinator(model=GPU_MODEL, backend: str = "nccl") -> WeightSyncCoordinator:
-    return WeightSyncCoordinator({"model": model, "metrics": {"enabled": False}, "sync": {"timeout_s": 2, "require_token": False, "poll_s": 0.05}}, backend)
+    return WeightSyncCoordinator({"model": model, "metrics": {"enabled": False}, "sync": {"timeout_s": 2, "require_token": False, "poll_s": 0.05, "silent_polls": 100}}, backend)
 
 
 # ---- the rules -----------------------------------------------------------------------------
