@@ -174,3 +174,38 @@ def test_on_cpu_the_only_compile_key_difference_is_the_documented_aot_switch(mod
         os.environ.update(CPU_ENGINE_ENV)
         bare_without_aot = envs.compile_factors()
     assert ours != bare and ours == bare_without_aot
+
+
+# ---- the replica's start, phase by phase ------------------------------------------------
+
+
+def test_a_replicas_start_is_timed_phase_by_phase_logged_and_observed(caplog):
+    import logging
+    import time
+
+    from rollout.engine.startup import PHASES, StartPhases, process_age_s
+
+    age = process_age_s()
+    assert age is not None and 0 < age < time.monotonic() + 1  # this process's age, from /proc
+    now = [100.0]
+    phases = StartPhases("r1", clock=lambda: now[0])
+    assert 0 < phases.durations["process"] <= age + 5
+    with caplog.at_level(logging.INFO, logger="rollout.engine.startup"):
+        with phases.phase("setup"):
+            now[0] += 0.5
+        with phases.phase("engine"):
+            now[0] += 42.0
+        with pytest.raises(RuntimeError):
+            with phases.phase("tools"):
+                now[0] += 1.0
+                raise RuntimeError("a start that fails says so in its error, not with a duration")
+    assert list(phases.durations) == ["process", "setup", "engine"]
+    assert phases.durations["setup"] == 0.5 and phases.durations["engine"] == 42.0
+    assert "replica r1 start: engine took 42.00s" in caplog.text
+    assert phases.summary().startswith(f"started in {phases.durations['process'] + 43.5:.1f}s (process ")
+    assert "setup 0.5s, engine 42.0s)" in phases.summary()
+    with pytest.raises(ValueError, match="not one of"):
+        phases.record("nap", 1.0)
+    observed = []
+    phases.observe(type("Metrics", (), {"start_phase": lambda self, name, s: observed.append((name, s))})())
+    assert [name for name, _ in observed] == [p for p in PHASES if p in phases.durations]

@@ -209,6 +209,18 @@ def _sparse(m: dict[str, Any]) -> str:
     )
 
 
+def _coldstart(m: dict[str, Any]) -> str:
+    """Issue 41: `rollout serve` against bare `vllm serve`, cold against cold, warm against warm."""
+    if not m:
+        return ""
+    f = lambda template: template.format_map(_OrNone(m))  # noqa: E731
+    return f(
+        "to the first completion: bare `vllm serve` cold {bare_cold_s} s, warm {bare_warm_s} s; `rollout serve` cold {platform_cold_s} s "
+        "(**{cold_ratio}x**), warm on bare's caches {platform_warm_s} s (**{warm_ratio}x**; goal <= {warm_goal}x), new compile keys {platform_new_compile_keys}; "
+        "replica phases warm {platform_warm_phases}, cold {platform_cold_phases}"
+    )
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -266,6 +278,10 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_sparse_nccl_publishes_patches_through_vllms_sparse_engine_and_serves_exactly_the_published_weights": (
         "14. `sparse_nccl`: publishes through vLLM's sparse NCCL engine serve exactly the published weights (two GPUs)",
         _sparse,
+    ),
+    "test_coldstart_rollout_serve_against_vllm_serve_cold_and_warm": (
+        "15. Cold start: `rollout serve` against bare `vllm serve`, cold against cold and warm on the same caches (one GPU)",
+        _coldstart,
     ),
 }
 

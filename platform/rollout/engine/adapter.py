@@ -69,16 +69,25 @@ class EngineAdapter:
         self.served = 0  # requests it finished (0 when it dies: it died on its first)
         self._death: Optional[str] = None  # why it died, once it has (death_reason)
 
+    @staticmethod
+    def imports() -> None:
+        """Import what the engine, its stat loggers and the tokenizer need (vLLM, torch,
+        transformers: most of a replica's start before its engine's, issue 41). The replica
+        does it first, as its own phase; nothing at module level imports them, so the
+        process that builds the app (rollout.app) never does."""
+        import transformers  # noqa: F401
+        import vllm.v1.engine.async_llm  # noqa: F401
+        import vllm.v1.metrics.ray_wrappers  # noqa: F401
+
     @classmethod
     def start(
         cls, config: PlatformConfig, device: str, sync_backend: Optional[str], snapshot: SchedulerSnapshot, stat_loggers: list[Any], phases: StartPhases
     ) -> EngineAdapter:
         """Build the engine for ``config.model`` on ``device``; with ``sync_backend`` (weight
         sync on), able to receive weights through that backend. Each step is timed in ``phases``."""
-        with phases.phase("import"):
-            from transformers import AutoTokenizer
-            from vllm.usage.usage_lib import UsageContext
-            from vllm.v1.engine.async_llm import AsyncLLM
+        from transformers import AutoTokenizer
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         from rollout.engine.args import USAGE_CONTEXT, engine_config, engine_kwargs, prepare_engine_environment
         from rollout.engine.openai_app import serve_argv

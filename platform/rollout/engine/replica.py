@@ -66,6 +66,8 @@ class RolloutEngine:
         show_platform_logs()
         replica_id = self._serve_replica_id()
         phases = StartPhases(replica_id)  # the replica's start, phase by phase (issue 41)
+        with phases.phase("import"):
+            EngineAdapter.imports()
         with phases.phase("setup"):
             cfg = PlatformConfig.model_validate(config)
             rewards = RewardScorer.from_config(cfg.rewards)  # imports rewards.functions: a bad path fails here

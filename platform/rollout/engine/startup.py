@@ -1,7 +1,7 @@
 """How long a replica took to start, phase by phase (issue 41).
 
-A replica's start is Serve placing its actor, then the constructor: its own setup, vLLM's
-imports, the engine's config, the ``AsyncLLM`` (engine core process, model load, compile,
+A replica's start is Serve placing its actor, then the constructor: vLLM's imports, its own
+setup, the engine's config, the ``AsyncLLM`` (engine core process, model load, compile,
 KV cache, CUDA graphs), the tokenizer, the tool workers, the coordinator's registration and
 vLLM's OpenAI app. Each phase is logged at INFO as it ends, and the whole at the end in one
 line; with metrics on, each phase is observed in ``rollout_replica_start_seconds{phase}``.
@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 logger = logging.getLogger(__name__)
 
 # The phases in the order a start runs them (a phase a start skips is not reported).
-PHASES = ("process", "setup", "import", "config", "engine", "tokenizer", "tools", "sync", "openai")
+PHASES = ("process", "import", "setup", "config", "engine", "tokenizer", "tools", "sync", "openai")
 
 
 def process_age_s() -> Optional[float]:
