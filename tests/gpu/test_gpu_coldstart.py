@@ -47,6 +47,9 @@ COLD_GOAL = 1.15
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 256
 GPU_MEMORY_UTILIZATION = 0.85
+# `vllm serve` itself (the overlay installs the "vllm" distribution its script looks up).
+VLLM_SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+IDLE_BYTES = 4 << 30  # below this GPU 0 holds no engine (one takes GPU_MEMORY_UTILIZATION of it)
 # Every cache an engine start fills, as the chart's compileCache sets them (rollout.compileCacheEnv).
 CACHE_DIRS = {
     "VLLM_CACHE_ROOT": "vllm",
@@ -65,8 +68,15 @@ def cache_env(root: Path) -> dict[str, str]:
 
 
 def compile_dirs(root: Path) -> set[str]:
+    """The compile-cache keys vLLM has written under ``root``'s VLLM_CACHE_ROOT: one directory
+    per key, under torch_compile_cache/ (vLLM's backend) or torch_compile_cache/torch_aot_compile/
+    (its AOT compile, on by default with torch >= 2.10)."""
     d = root / "vllm" / "torch_compile_cache"
-    return {p.name for p in d.iterdir()} if d.is_dir() else set()
+    if not d.is_dir():
+        return set()
+    keys = {p.name for p in d.iterdir() if p.is_dir() and p.name != "torch_aot_compile"}
+    aot = d / "torch_aot_compile"
+    return keys | ({f"torch_aot_compile/{p.name}" for p in aot.iterdir() if p.is_dir()} if aot.is_dir() else set())
 
 
 class Command:
@@ -109,22 +119,37 @@ class Command:
         pytest.fail(f"{self.log.name}: no completion within {START_LIMIT_S:.0f} s:\n" + "\n".join(self.lines[-40:]))
 
     def stop(self) -> None:
+        """SIGTERM to the command (each stops its own engine, `rollout serve` its own Ray
+        cluster), SIGKILL to its whole session after 120 s; then until the GPU is idle again."""
         import signal
 
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()
             try:
                 self.proc.wait(120)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._reader.join(10)
-        time.sleep(5)  # the GPU's memory is freed as the engine's processes end
+        wait_for_idle_gpu()
+
+
+def wait_for_idle_gpu(limit_s: float = 120.0) -> None:
+    """Until GPU 0 holds less than IDLE_BYTES (nvidia-smi: no CUDA context in this process)."""
+    deadline = time.monotonic() + limit_s
+    used = None
+    while time.monotonic() < deadline:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"], capture_output=True, text=True)
+        used = int(out.stdout.split()[0]) << 20 if out.returncode == 0 and out.stdout.strip() else None
+        if used is not None and used < IDLE_BYTES:
+            return
+        time.sleep(2)
+    pytest.fail(f"GPU 0 still holds {used} bytes {limit_s:.0f} s after the command ended: an engine process outlived it")
 
 
 def bare(env: dict[str, str], log: Path) -> Command:
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL), "--served-model-name", "model-1.5b", "--dtype", "bfloat16",
+        *VLLM_SERVE, str(MODEL), "--served-model-name", "model-1.5b", "--dtype", "bfloat16",
         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
         "--seed", "0", "--port", str(PORT), "--host", "127.0.0.1", "--api-key", API_KEY,
     ]  # fmt: skip
@@ -170,6 +195,7 @@ def timed(cmd: Command) -> float:
 
 def test_coldstart_rollout_serve_against_vllm_serve_cold_and_warm(record, tmp_path_factory):
     """(1) bare cold, (2) platform warm on (1)'s caches, (3) bare warm, (4) platform cold."""
+    wait_for_idle_gpu()  # an engine of an earlier check would take the memory these need
     shared = tmp_path_factory.mktemp("coldstart-shared")
     logs = WORK / "coldstart"
     logs.mkdir(parents=True, exist_ok=True)
