@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rollout.engine.args import CPU_ENGINE_ENV
+from rollout.local import ray_worker_environment
 from tests.engines import KV_BYTES, MAX_MODEL_LEN, TEST_MODEL
 from tests.hosts import SYNC_POLLING
 
@@ -22,9 +23,10 @@ for _key, _value in CPU_ENGINE_ENV.items():
 # Ray starts its workers (replicas, engines, reference engines) at nice 15. `make test`
 # runs two lanes side by side on two cores: at 15 one lane's engines got a small share of
 # a core the other lane's tests (nice 0) also wanted (weight 36 to 1024), so the shared
-# lane, the longer, waited on the other's work. At 0 every process shares the cores evenly.
-# (The Ray clusters started here inherit it; tests/hosts.py's set it for theirs.)
-os.environ.setdefault("RAY_worker_niceness", "0")
+# lane, the longer, waited on the other's work. At 0 every process shares the cores evenly,
+# as in the platform's own clusters (rollout.local.RAY_WORKER_ENV). (The Ray clusters
+# started here inherit it; tests/hosts.py's set it for theirs.)
+ray_worker_environment()
 # vLLM's CPU engines bind their worker's OpenMP threads by default (VLLM_CPU_OMP_THREADS_BIND
 # "auto"): one engine per host, one thread per core of the first NUMA node less one core kept
 # for the scheduler. On the 2-core machine that is one thread pinned to core 0, for every

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from rollout.local import RAY_WORKER_ENV
 from rollout.processes import end
 
 from tests.engines import TEST_MODEL
@@ -98,8 +99,8 @@ ENGINE_PROCESS = re.compile(r"^VLLM::")
 # Every module's teardown waited that out for each Ray host, then killed ``ray start`` and
 # waited again for the agents it left. Nothing here needs the drain (the hosts are torn
 # down next): 0 turns it off, and ``ray start`` ends its processes at once.
-# Ray's workers at nice 0, as in every test cluster (tests/conftest.py says why).
-RAY_START_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_worker_niceness": "0"}
+# Ray's workers at nice 0, as in every platform and test cluster (rollout.local.RAY_WORKER_ENV).
+RAY_START_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **RAY_WORKER_ENV}
 
 
 class CannotMakeHosts(Exception):

@@ -257,3 +257,37 @@ def test_a_second_signal_while_stopping_exits_at_once():
         end(proc, 5)
     reader.join(5)
     assert lines[-1] == "rollout serve: SIGINT again: exiting now; Serve goes on deleting the app", lines
+
+
+@pytest.mark.parametrize("address", [None, "ray://elsewhere:10001"])
+def test_rollout_serve_starts_its_own_clusters_ray_workers_at_nice_0(monkeypatch, tmp_path, address):
+    """Issue 41: Ray starts its workers at nice 15, the engine core among them. The cluster
+    `rollout serve` starts inherits rollout.local.RAY_WORKER_ENV as ray.init starts it (the
+    chart's pods get the same: tests/test_helm_chart.py); a cluster it joins keeps its own."""
+    import argparse
+
+    import ray
+
+    from rollout import cli
+    from rollout.local import RAY_WORKER_ENV
+
+    class Started(Exception):
+        pass
+
+    seen: dict = {}
+
+    def init(**kwargs):
+        seen.update(env=dict(os.environ), kwargs=kwargs)
+        raise Started
+
+    for key in RAY_WORKER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", init)
+    path = tmp_path / "rollout.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "/models/p", "device": "cuda"}}))
+    with pytest.raises(Started):
+        cli._serve(argparse.Namespace(config=str(path), address=address))
+    assert seen["kwargs"]["address"] == address
+    expected = RAY_WORKER_ENV if address is None else {k: None for k in RAY_WORKER_ENV}
+    assert {k: seen["env"].get(k) for k in RAY_WORKER_ENV} == expected

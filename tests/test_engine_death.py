@@ -249,13 +249,14 @@ import asyncio, os, signal, sys
 import psutil
 from rollout.api import RolloutRequest
 from rollout.engine.adapter import EngineAdapter
+from rollout.engine.startup import StartPhases
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.errors import EngineUnavailableError
 from rollout.local import cpu_config
 from tests.engines import TEST_MODEL
 
 async def main():
-    adapter = EngineAdapter.start(cpu_config(sys.argv[1], model=TEST_MODEL), "cpu", None, SchedulerSnapshot(), [])
+    adapter = EngineAdapter.start(cpu_config(sys.argv[1], model=TEST_MODEL), "cpu", None, SchedulerSnapshot(), [], StartPhases("death"))
     req = RolloutRequest(prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 500, "ignore_eos": True}).with_id()
     task = asyncio.create_task(adapter.generate(req, [5, 6, 7]))
     await asyncio.sleep(0.5)

@@ -841,3 +841,85 @@ def test_a_pinned_sync_range_needs_the_ray_pods_range_and_says_which_values():
     assert all("sysctls" not in p["spec"].get("securityContext", {}) for p in kube.embedded_objects(rayservice(objs)) if p["kind"] == "Pod")
     with pytest.raises(helm.HelmError, match="syncPorts"):
         render_chart({"syncPorts": {"ephemeral": "40000:44999"}})
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_ray_workers_run_at_the_platforms_niceness_on_the_head_and_engine_pods(case):
+    """Issue 41: Ray starts its workers at nice 15, the engine core among them; the chart's
+    Ray containers give them rollout.local.RAY_WORKER_ENV, as `rollout serve` does its own
+    cluster's (tests/test_cli_serve.py)."""
+    from rollout.local import RAY_WORKER_ENV
+
+    _, _, objs = case
+    spec = rayservice(objs)["spec"]["rayClusterConfig"]
+    for container in (spec["headGroupSpec"]["template"]["spec"]["containers"][0], worker_group(objs)["template"]["spec"]["containers"][0]):
+        env = env_of(container)
+        assert {k: env.get(k) for k in RAY_WORKER_ENV} == RAY_WORKER_ENV, container["name"]
+
+
+# Every cache an engine start fills (rollout.compileCacheEnv), by the directory under compileCache.mountPath.
+COMPILE_CACHE_ENV = {
+    "VLLM_CACHE_ROOT": "vllm",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TORCH_EXTENSIONS_DIR": "torch_extensions",
+    "TVM_FFI_CACHE_DIR": "tvm-ffi",
+    "CUDA_CACHE_PATH": "cuda",
+}
+
+
+@pytest.mark.parametrize(
+    "compile_cache, volume",
+    [
+        ({}, {"emptyDir": {"sizeLimit": "50Gi"}}),
+        ({"source": "modelCache", "subPath": "jit"}, None),
+        ({"source": "existingClaim", "existingClaim": "rl-jit", "mountPath": "/jit"}, {"persistentVolumeClaim": {"claimName": "rl-jit"}}),
+    ],
+)
+def test_engine_pods_keep_vllms_compile_and_kernel_caches_on_the_compile_cache_volume(compile_cache, volume):
+    """Issue 41: a replica that starts again finds what the last one compiled and built
+    (vLLM's compile cache, FlashInfer's, Triton's, CUDA's) on a volume its pod's replicas
+    share: per pod (emptyDir), or every pod's (a subdirectory of the model-cache claim, or
+    a claim of the operator's)."""
+    from vllm import envs
+
+    objs = render({"compileCache": compile_cache})
+    values = merged({"compileCache": compile_cache})["compileCache"]
+    spec = worker_group(objs)["template"]["spec"]
+    (container,) = spec["containers"]
+    env = env_of(container)
+    assert {k: env.get(k) for k in COMPILE_CACHE_ENV} == {k: f"{values['mountPath']}/{d}" for k, d in COMPILE_CACHE_ENV.items()}
+    # None of them may change vLLM's compile-cache key (or the replicas would compile anew):
+    # VLLM_CACHE_ROOT is one vLLM leaves out by name; the others are not vLLM's.
+    assert [k for k in COMPILE_CACHE_ENV if k.startswith("VLLM_") and k in envs.compile_factors()] == []
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    mount = mounts[values["mountPath"]]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    if volume is None:  # a subdirectory of the model cache's claim
+        assert mount["name"] == "model-cache" and mount["subPath"] == values["subPath"] and not mount.get("readOnly")
+    else:
+        assert {k: v for k, v in volumes[mount["name"]].items() if k != "name"} == volume
+    # The head compiles nothing.
+    head = env_of(rayservice(objs)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0])
+    assert not set(COMPILE_CACHE_ENV) & set(head)
+    off = worker_group(render({"compileCache": {"enabled": False}}))["template"]["spec"]
+    assert not set(COMPILE_CACHE_ENV) & set(env_of(off["containers"][0])) and "compile-cache" not in {v["name"] for v in off["volumes"]}
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"compileCache": {"source": "modelCache"}, "modelCache": {"readOnly": True}}, "compileCache.source is modelCache"),
+        ({"compileCache": {"source": "modelCache"}, "modelCache": {"enabled": False}}, "compileCache.source is modelCache"),
+        ({"compileCache": {"source": "existingClaim"}}, "compileCache.existingClaim names no claim"),
+        ({"compileCache": {"mountPath": "/models"}}, "compileCache.mountPath (/models) must differ from modelCache.mountPath"),
+    ],
+)
+def test_a_compile_cache_that_cannot_be_mounted_fails_naming_the_values(values, message):
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert message in str(err.value)

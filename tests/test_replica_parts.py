@@ -11,6 +11,9 @@ import pytest
 
 from rollout.api import RolloutRequest
 from rollout.config import load_config
+# vLLM imported up front, as a real replica has it from its engine's start: the adapter
+# imports it at a request's first use, which would count against the 5 s bounds below.
+import rollout.engine.convert  # noqa: F401
 from rollout.engine.adapter import EngineAdapter
 from rollout.engine.openai_app import ForwardedRequest
 from rollout.engine.replica import RolloutEngine

@@ -159,11 +159,34 @@ def test_ipc_plans_produce_vllms_own_ipc_init_and_update_info(monkeypatch):
     handles = [{"GPU-uuid": ("rebuild", "args")}]
     ipc = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()})
     assert IPCWeightTransferInitInfo(**init_info(ipc, "a")).packed is False
-    # vLLM reads pickled handles only where insecure serialization is allowed, as it is
-    # in ipc replicas (rollout.engine.replica sets it for them).
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    info = IPCWeightTransferUpdateInfo(**get_backend("ipc").update_info(ipc.params, ipc.transfer_info))
-    assert (info.names, info.shapes, info.ipc_handles) == (["w"], [[2, 3]], handles)
+    update = get_backend("ipc").update_info(ipc.params, ipc.transfer_info)
+    # vLLM's own dataclass reads pickled handles only where insecure serialization is
+    # allowed, a setting that changes vLLM's compile-cache key (issue 41)...
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        IPCWeightTransferUpdateInfo(**update)
+    # ...so the replicas' engine unpickles them itself, without it.
+    from rollout.sync.backends.ipc_worker import UnpicklingIpcWeightTransferEngine
+
+    engine = object.__new__(UnpicklingIpcWeightTransferEngine)  # parse_update_info needs no engine state
+    info = engine.parse_update_info(update)
+    assert (info.names, info.shapes, info.ipc_handles, info.ipc_handles_pickled) == (["w"], [[2, 3]], handles, None)
+    # The update info crosses vLLM's engine-core channel as plain msgpack (no pickle fallback).
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    assert MsgpackDecoder().decode(MsgpackEncoder().encode(update)) == update
+
+
+def test_ipc_replicas_get_the_unpickling_engine_and_no_insecure_serialization(monkeypatch):
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rollout.sync.backends.ipc_worker import UnpicklingIpcWeightTransferEngine
+    from rollout.sync.vllm_plugin import register
+
+    backend = get_backend("ipc")
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in backend.engine_env
+    register()
+    assert WeightTransferEngineFactory._registry[backend.vllm_engine]() is UnpicklingIpcWeightTransferEngine
 
 
 def test_ipc_publishers_need_a_cuda_device_and_say_so():

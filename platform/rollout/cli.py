@@ -24,9 +24,13 @@ def _serve(args: argparse.Namespace) -> int:
     if refused:
         print(f"rollout serve: {cfg.app_name!r} cannot start: {refused}", file=sys.stderr, flush=True)
         return 1
-    ray.init(address=args.address, namespace="rollout", ignore_reinit_error=True)
-    # A cluster this command started ends with it; one it joined keeps running.
+    # A cluster this command starts ends with it; one it joins keeps running.
     own_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
+    if own_cluster:
+        from rollout.local import ray_worker_environment
+
+        ray_worker_environment()  # its workers (the engines among them) at nice 0, not Ray's 15
+    ray.init(address=args.address, namespace="rollout", ignore_reinit_error=True)
     from rollout.engine import deaths
 
     deaths.forget(cfg.app_name)  # this deployment's deaths only

@@ -221,6 +221,14 @@ _fp8 = _filled(
 )
 
 
+# Issue 41: `rollout serve` against bare `vllm serve`, cold against cold, warm against warm.
+_coldstart = _filled(
+    "to the first completion: bare `vllm serve` cold {bare_cold_s} s, warm {bare_warm_s} s; `rollout serve` cold {platform_cold_s} s "
+    "(**{cold_ratio}x**), warm on bare's caches {platform_warm_s} s (**{warm_ratio}x**; goal <= {warm_goal}x), new compile keys {platform_new_compile_keys}; "
+    "replica phases warm {platform_warm_phases}, cold {platform_cold_phases}"
+)
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -286,6 +294,10 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_an_fp8_replica_takes_a_bf16_publish_and_serves_like_a_fresh_fp8_engine_on_those_weights": (
         "16. An FP8 replica takes a BF16 publish and serves like a fresh FP8 engine on those weights; its speed against BF16 (one GPU)",
         _fp8,
+    ),
+    "test_coldstart_rollout_serve_against_vllm_serve_cold_and_warm": (
+        "17. Cold start: `rollout serve` against bare `vllm serve`, cold against cold and warm on the same caches (one GPU)",
+        _coldstart,
     ),
 }
 

@@ -180,6 +180,16 @@ def chart_properties() -> dict[str, Any]:
                 "readOnly": {"type": "boolean"},
             },
         ),
+        "compileCache": _switch(
+            "Volume holding vLLM's compile cache and the kernels built at engine start (FlashInfer, Triton, CUDA), shared by the engine replicas.",
+            {
+                "source": {"enum": ["emptyDir", "modelCache", "existingClaim"], "description": "emptyDir: per pod; modelCache: subPath of the model-cache claim; existingClaim: a ReadWriteMany claim of yours."},
+                "sizeLimit": {"type": "string"},
+                "subPath": {"type": "string", "minLength": 1},
+                "existingClaim": {"type": "string"},
+                "mountPath": {"type": "string", "pattern": "^/"},
+            },
+        ),
         "secrets": _section(
             "HTTP API key and weight-sync token, given to pods as env from secretKeyRef.",
             {

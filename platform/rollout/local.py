@@ -22,6 +22,24 @@ logger = logging.getLogger(__name__)
 CPU_MODEL_DEFAULTS = {"max_model_len": 1024, "kv_cache_memory_bytes": 512 << 20, "device": "cpu", "dtype": "float32"}
 
 
+# Ray starts its worker processes at nice 15 (Ray's worker_niceness): the replicas, vLLM's
+# engine core and GPU workers under them, the coordinator and the tool workers, below every
+# other process of the node. Issue 41 measured every Ray worker of a `rollout serve` on an
+# H200 at 15, the engine core included, where `vllm serve` runs at 0. The platform's
+# clusters start their workers at 0: `rollout serve`'s own and local_platform's (through
+# ray_worker_environment), the Helm chart's pods (its rollout.env, checked equal to this by
+# tests/test_helm_chart.py) and the test suite's. A value the operator set wins; a cluster
+# the platform joins keeps the niceness it was started with.
+RAY_WORKER_ENV = {"RAY_worker_niceness": "0"}
+
+
+def ray_worker_environment() -> None:
+    """Give the Ray cluster this process starts (``ray.init`` without an address: its
+    raylet inherits this environment) :data:`RAY_WORKER_ENV`, where unset."""
+    for key, value in RAY_WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def cpu_config(model_dir: str | Path, **overrides: Any) -> PlatformConfig:
     """A config for the built model on CPU; ``overrides`` are merged per section
     (top-level scalars such as ``app_name`` replace)."""
@@ -57,6 +75,7 @@ def local_platform(cfg: PlatformConfig, num_cpus: int = 8, quiet: bool = False) 
 
     started = not ray.is_initialized()
     if started:
+        ray_worker_environment()
         # Ray's metrics agent serves every process's metrics on this port.
         ray.init(
             num_cpus=num_cpus, namespace="rollout", log_to_driver=False, _metrics_export_port=cfg.metrics.port,

@@ -23,6 +23,8 @@ SYNC_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
 REQUEST_OUTCOMES = ("ok", "invalid", "cancelled", "error")
 TOOL_OUTCOMES = ("ok", "error")
+# A replica's start phases: well under a second (the tokenizer) to minutes (a cold compile).
+START_BUCKETS = [0.5, 1, 2, 5, 10, 20, 30, 60, 120, 180, 300, 600, 1200]
 TOOL_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300]
 SYNC_FAILURE_REASONS = ("trainer", "replica", "deadline", "keeper", "digest")
 
@@ -54,6 +56,13 @@ class EngineMetrics:
         # the label is one of a few fixed spellings (rollout.tools.sandbox.Isolation.label).
         self.sandbox = m.Gauge("rollout_tool_sandbox", "Isolation of the replica's python tool calls (1 for the one in force).", tag_keys=tags + ("isolation",))
         self._sandbox_label: Optional[str] = None
+        # Once per replica start (rollout.engine.startup): a histogram, which Ray does not age out.
+        self.start_seconds = m.Histogram(
+            "rollout_replica_start_seconds", "Seconds each phase of a replica's start took (rollout.engine.startup).", boundaries=START_BUCKETS, tag_keys=tags + ("phase",)
+        )
+
+    def start_phase(self, phase: str, seconds: float) -> None:
+        self.start_seconds.observe(seconds, tags={**self._tags, "phase": phase})
 
     def request(self, outcome: str, n: int = 1) -> None:
         if outcome not in REQUEST_OUTCOMES:

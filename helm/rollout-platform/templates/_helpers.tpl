@@ -159,12 +159,30 @@ one, _validate.tpl has already failed unless auth.required is false. */}}
   value: /tmp/cache
 {{- end -}}
 
-{{/* Env of the head and engine worker containers: secrets by reference, writable dirs under /tmp. */}}
+{{/* Env of the head and engine worker containers: secrets by reference, writable dirs under
+/tmp, and Ray's workers at nice 0 (rollout.local.RAY_WORKER_ENV: Ray starts them at 15, the
+engine's processes among them, below everything else on the node; issue 41). */}}
 {{- define "rollout.env" -}}
 {{- with include "rollout.secretEnv" . }}
 {{ . }}
 {{- end }}
 {{ include "rollout.runtimeEnv" . }}
+- name: RAY_worker_niceness
+  value: "0"
+{{- end -}}
+
+{{/* Where the engine workers' processes keep what they compile and build at engine start
+(compileCache): vLLM's compile cache (VLLM_CACHE_ROOT: torch.compile, Inductor and Triton
+artifacts), FlashInfer's JIT kernels, Triton's and Inductor's caches outside vLLM's
+compile, torch C++ extensions, TVM-FFI's and CUDA's PTX cache. None of these variables is
+a factor of vLLM's compile-cache key (VLLM_CACHE_ROOT is ignored by name; the others are
+not vLLM's): a replica here finds what `vllm serve` with the same arguments compiled. */}}
+{{- define "rollout.compileCacheEnv" -}}
+{{- $mp := .Values.compileCache.mountPath -}}
+{{- range $name, $dir := dict "VLLM_CACHE_ROOT" "vllm" "FLASHINFER_WORKSPACE_BASE" "flashinfer" "TRITON_CACHE_DIR" "triton" "TORCHINDUCTOR_CACHE_DIR" "inductor" "TORCH_EXTENSIONS_DIR" "torch_extensions" "TVM_FFI_CACHE_DIR" "tvm-ffi" "CUDA_CACHE_PATH" "cuda" }}
+- name: {{ $name }}
+  value: {{ printf "%s/%s" $mp $dir | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "rollout.containerSecurityContext" -}}

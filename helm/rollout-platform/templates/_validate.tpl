@@ -26,6 +26,18 @@ Cross-field rules JSON Schema cannot express; values.schema.json handles the res
     {{- end -}}
   {{- end -}}
 {{- end -}}
+{{- $cc := .Values.compileCache -}}
+{{- if $cc.enabled -}}
+  {{- if and (eq $cc.source "modelCache") (or (not .Values.modelCache.enabled) .Values.modelCache.readOnly) -}}
+    {{- fail "compileCache.source is modelCache but the model cache is not mounted read-write: set modelCache.enabled: true and modelCache.readOnly: false, or another compileCache.source (emptyDir, existingClaim)" -}}
+  {{- end -}}
+  {{- if and (eq $cc.source "existingClaim") (not $cc.existingClaim) -}}
+    {{- fail "compileCache.source is existingClaim but compileCache.existingClaim names no claim" -}}
+  {{- end -}}
+  {{- if and .Values.modelCache.enabled (eq (clean $cc.mountPath) (clean .Values.modelCache.mountPath)) -}}
+    {{- fail (printf "compileCache.mountPath (%s) must differ from modelCache.mountPath" $cc.mountPath) -}}
+  {{- end -}}
+{{- end -}}
 {{- if and .Values.auth.required (not (include "rollout.hasSecret" .)) -}}
   {{- fail "auth.required is true but no API key or sync token is configured: secrets.existingSecret must name a Secret when secrets.create is false (or set secrets.create: true, with secrets.apiKey/secrets.syncToken or random ones; auth.required: false runs the API without authentication)" -}}
 {{- end -}}

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from rollout.api import RolloutRequest, Sample
 from rollout.config import PlatformConfig
 from rollout.contracts.version import INITIAL_VERSION_LABEL
+from rollout.engine.startup import StartPhases
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.validation import ModelLimits, routed_experts_refusal
 from rollout.episodes import render_initial
@@ -69,15 +70,27 @@ class EngineAdapter:
         self.served = 0  # requests it finished (0 when it dies: it died on its first)
         self._death: Optional[str] = None  # why it died, once it has (death_reason)
 
+    @staticmethod
+    def imports() -> None:
+        """Import what the engine, its stat loggers and the tokenizer need (vLLM, torch,
+        transformers: most of a replica's start before its engine's, issue 41). The replica
+        does it first, as its own phase; nothing at module level imports them, so the
+        process that builds the app (rollout.app) never does."""
+        import transformers  # noqa: F401
+        import vllm.v1.engine.async_llm  # noqa: F401
+        import vllm.v1.metrics.ray_wrappers  # noqa: F401
+
     @classmethod
-    def start(cls, config: PlatformConfig, device: str, sync_backend: Optional[str], snapshot: SchedulerSnapshot, stat_loggers: list[Any]) -> EngineAdapter:
+    def start(
+        cls, config: PlatformConfig, device: str, sync_backend: Optional[str], snapshot: SchedulerSnapshot, stat_loggers: list[Any], phases: StartPhases
+    ) -> EngineAdapter:
         """Build the engine for ``config.model`` on ``device``; with ``sync_backend`` (weight
-        sync on), able to receive weights through that backend."""
+        sync on), able to receive weights through that backend. Each step is timed in ``phases``."""
         from transformers import AutoTokenizer
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from rollout.engine.args import engine_kwargs, prepare_engine_environment
+        from rollout.engine.args import USAGE_CONTEXT, engine_config, engine_kwargs, prepare_engine_environment
         from rollout.engine.openai_app import serve_argv
         from rollout.engine.stats import stat_logger_factory
 
@@ -87,12 +100,21 @@ class EngineAdapter:
         argv = serve_argv(config.model, config.openai, kwargs)
         if sync_backend is not None:
             kwargs["weight_transfer_config"] = _prepare_weight_transfer(sync_backend)
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[stat_logger_factory(snapshot), *stat_loggers])
-        mc = engine.model_config
-        limits = ModelLimits(
-            vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, max_n=config.limits.max_n, routed_experts_refusal=routed_experts_refusal(config.model, device)
-        )
-        return cls(engine, AutoTokenizer.from_pretrained(config.model.tokenizer_path), limits, snapshot, argv)
+        with phases.phase("config"):
+            vllm_config = engine_config(kwargs)
+        with phases.phase("engine"):
+            # As vLLM's `vllm serve` makes its AsyncLLM (build_async_engine_client_from_engine_args):
+            # the same config, usage context and logging switches; our stat loggers added.
+            engine = AsyncLLM.from_vllm_config(
+                vllm_config, usage_context=UsageContext[USAGE_CONTEXT], stat_loggers=[stat_logger_factory(snapshot), *stat_loggers], disable_log_stats=kwargs["disable_log_stats"]
+            )
+        with phases.phase("tokenizer"):
+            mc = engine.model_config
+            limits = ModelLimits(
+                vocab_size=mc.get_vocab_size(), max_model_len=mc.max_model_len, max_n=config.limits.max_n, routed_experts_refusal=routed_experts_refusal(config.model, device)
+            )
+            tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        return cls(engine, tokenizer, limits, snapshot, argv)
 
     # ---- requests ---------------------------------------------------------------
 

@@ -154,6 +154,25 @@ def engine_kwargs(model: ModelConfig, device: str) -> dict[str, Any]:
     return kw
 
 
+# The usage context vLLM picks its scheduler defaults by (EngineArgs.get_batch_defaults):
+# `vllm serve`'s. AsyncLLM's own default, ENGINE_CONTEXT, has no entry in vLLM's tables and
+# falls back to SchedulerConfig's 2048 batched tokens, where `vllm serve` takes 8192 on an
+# H100/H200 (16384 from 160 GB): issue 41 measured the replica's engine on an H200 with a
+# quarter of `vllm serve`'s prefill budget, and, since max_num_batched_tokens is one of the
+# factors of vLLM's compile-cache key, compiling afresh where `vllm serve` had compiled.
+USAGE_CONTEXT = "OPENAI_API_SERVER"
+
+
+def engine_config(kwargs: dict[str, Any]) -> Any:
+    """The ``VllmConfig`` of an engine built from ``kwargs`` (:func:`engine_kwargs`, plus
+    the weight-transfer config), as ``vllm serve`` builds its engine's config from the same
+    arguments: vLLM's own defaults fill what the platform leaves unset."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    return AsyncEngineArgs(**kwargs).create_engine_config(usage_context=UsageContext[USAGE_CONTEXT])
+
+
 def placement(model: ModelConfig, device: str, num_cpus: float) -> dict[str, Any]:
     """Serve deployment options reserving the replica's resources."""
     if device != "cuda":

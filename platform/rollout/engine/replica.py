@@ -44,6 +44,7 @@ from rollout.contracts.load import ReplicaLoad
 from rollout.contracts.version import version_of
 from rollout.engine.adapter import EngineAdapter, EpisodeTurnSampling
 from rollout.engine.admission import Admission, Prepared, coerce_as
+from rollout.engine.startup import StartPhases
 from rollout.engine.stats import SchedulerSnapshot
 from rollout.engine.sync_gate import SyncGate
 from rollout.errors import EngineUnavailableError, InvalidRequestError
@@ -63,18 +64,22 @@ class RolloutEngine:
         from rollout.engine.openai_app import SaltedEngine, build_openai_app
 
         show_platform_logs()
-        cfg = PlatformConfig.model_validate(config)
         replica_id = self._serve_replica_id()
-        rewards = RewardScorer.from_config(cfg.rewards)  # imports rewards.functions: a bad path fails here
-        metrics = None
-        stat_loggers = []
-        if cfg.metrics.enabled:
-            from rollout.metrics import EngineMetrics, vllm_ray_stat_logger
+        phases = StartPhases(replica_id)  # the replica's start, phase by phase (issue 41)
+        with phases.phase("import"):
+            EngineAdapter.imports()
+        with phases.phase("setup"):
+            cfg = PlatformConfig.model_validate(config)
+            rewards = RewardScorer.from_config(cfg.rewards)  # imports rewards.functions: a bad path fails here
+            metrics = None
+            stat_loggers = []
+            if cfg.metrics.enabled:
+                from rollout.metrics import EngineMetrics, vllm_ray_stat_logger
 
-            metrics = EngineMetrics(replica_id, cfg.model.name, cfg.app_name)
-            stat_loggers.append(vllm_ray_stat_logger())
+                metrics = EngineMetrics(replica_id, cfg.model.name, cfg.app_name)
+                stat_loggers.append(vllm_ray_stat_logger())
         # The weight-transfer backend is set up only where a coordinator will drive it.
-        adapter = EngineAdapter.start(cfg, device, sync_backend if coordinator is not None else None, SchedulerSnapshot(metrics), stat_loggers)
+        adapter = EngineAdapter.start(cfg, device, sync_backend if coordinator is not None else None, SchedulerSnapshot(metrics), stat_loggers, phases)
         sync = None
         if coordinator is not None:
             from rollout.sync.agent import SyncAgent
@@ -89,14 +94,17 @@ class RolloutEngine:
         )
         # Fail closed: a replica whose tool workers cannot build the python tool's sandbox
         # does not start (SandboxUnavailable names what is missing and the setting to change).
-        self.tool_isolation = await self.episodes.start_tools()
+        with phases.phase("tools"):
+            self.tool_isolation = await self.episodes.start_tools()
         if metrics is not None:
             metrics.tool_sandbox(self.tool_isolation.label if self.tool_isolation else "none")
         # After the tools: a replica registers with the coordinator only once it can serve.
-        await self.gate.start()
+        with phases.phase("sync"):
+            await self.gate.start()
         # vLLM's own OpenAI server over this engine, with `vllm serve`'s arguments for it;
         # every request it adds carries its prefix-cache salt.
-        self.openai_app = await build_openai_app(SaltedEngine(adapter.engine, self.gate.salted), adapter.serve_argv)
+        with phases.phase("openai"):
+            self.openai_app = await build_openai_app(SaltedEngine(adapter.engine, self.gate.salted), adapter.serve_argv)
         if self.gate.sync.adapters is not None:
             # OpenAI requests name a published adapter by `model`: vLLM's own map of names
             # to adapters follows every commit (the response's `model` is "<name>@<version>").
@@ -109,7 +117,10 @@ class RolloutEngine:
 
             self.gate.sync.adapters.listen(follow)
         self._gauges_task = asyncio.get_running_loop().create_task(self._report_gauges()) if metrics is not None else None
-        logger.info("replica %s ready: %s, limits %s", replica_id, cfg.model.path, adapter.limits)
+        self.start_phases = phases
+        if metrics is not None:
+            phases.observe(metrics)
+        logger.info("replica %s ready: %s, limits %s; %s", replica_id, cfg.model.path, adapter.limits, phases.summary())
 
     def _assemble(self, config: PlatformConfig, replica_id: str, adapter: EngineAdapter, gate: SyncGate, rewards: RewardScorer, metrics: Optional[Any] = None) -> None:
         """Wire the parts (also how unit tests build a replica over a fake engine)."""

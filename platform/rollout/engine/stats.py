@@ -6,8 +6,6 @@ import threading
 import time
 from typing import Any, Optional
 
-from vllm.v1.metrics.loggers import StatLoggerBase
-
 
 class SchedulerSnapshot:
     """Latest scheduler numbers plus cumulative prefix-cache counters, shared with the
@@ -55,6 +53,9 @@ class SchedulerSnapshot:
 
 def stat_logger_factory(snapshot: SchedulerSnapshot):
     """A vLLM ``StatLoggerFactory`` feeding ``snapshot``; vLLM's own loggers stay enabled beside it."""
+    # Here, not at the top: whatever imports the replica's module (the driver that deploys the
+    # app, through rollout.app) would import vLLM and torch with it (issue 41).
+    from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _SnapshotLogger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0):

@@ -9,9 +9,11 @@ memory. The handles name this process's GPU by UUID: a replica on another GPU fa
 the round with vLLM's "IPC handle not found for GPU UUID".
 
 The handles travel pickled (vLLM's ``ipc_handles_pickled``): they hold torch classes
-that vLLM's engine-core messages only carry as pickles, so ``ipc`` replicas run with
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. Only an authenticated publisher inside the
-Ray cluster can open a round that carries them (never over HTTP).
+that vLLM's engine-core messages only carry as pickles. The replicas' engine
+(:mod:`rollout.sync.backends.ipc_worker`) unpickles them in the worker, so replicas run
+without ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (which vLLM's own IPC engine needs, and which
+enters vLLM's compile-cache key). Only an authenticated publisher inside the Ray cluster
+can open a round that carries them (never over HTTP).
 """
 
 from __future__ import annotations
@@ -89,8 +91,11 @@ class IpcBackend(SyncBackend):
     sender_cls = IpcSender
     transfer_info_cls = IpcTransferInfo
     has_rendezvous = False  # every parameter has its own handle (zero-copy for the trainer)
-    # vLLM's IPC engine takes the trainer's CUDA IPC handles only as pickles.
-    engine_env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    # vLLM's IPC engine, unpickling the handles itself: no VLLM_ALLOW_INSECURE_SERIALIZATION
+    # in the replicas' environment (it would change vLLM's compile-cache key). Trainers
+    # written for `vllm serve` ask for vLLM's own "ipc" trainer engine.
+    worker_engine = "rollout.sync.backends.ipc_worker:UnpicklingIpcWeightTransferEngine"
+    engine_name = "rollout-ipc"
 
     def init_info(self, plan: TransferRound, member: Member) -> "IPCWeightTransferInitInfo":
         from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
