@@ -149,21 +149,31 @@ def test_a_group_of_the_same_name_at_a_new_rendezvous_is_joined_anew():
 
 
 
-def test_ipc_plans_produce_vllms_own_ipc_init_and_update_info(monkeypatch):
+def test_ipc_plans_produce_vllms_ipc_init_info_and_our_engines_update_info():
     import base64
     import pickle
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
 
+    from rollout.sync.backends.ipc_handles import unpickle_handles
+    from rollout.sync.backends.ipc_worker import DirectIpcUpdateInfo
+
     handles = [{"GPU-uuid": ("rebuild", "args")}]
-    ipc = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()})
+    payload = base64.b64encode(pickle.dumps(handles)).decode()
+    ipc = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": payload, "export_id": "e1"})
     assert IPCWeightTransferInitInfo(**init_info(ipc, "a")).packed is False
-    # vLLM reads pickled handles only where insecure serialization is allowed, as it is
-    # in ipc replicas (rollout.engine.replica sets it for them).
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    info = IPCWeightTransferUpdateInfo(**get_backend("ipc").update_info(ipc.params, ipc.transfer_info))
-    assert (info.names, info.shapes, info.ipc_handles) == (["w"], [[2, 3]], handles)
+    # The replicas' engine is ours (registered under its own name), its update info vLLM's
+    # unpacked one's fields plus the export's id; the handles stay pickled until needed.
+    assert get_backend("ipc").vllm_engine == "rollout-ipc-direct"
+    info = DirectIpcUpdateInfo(**get_backend("ipc").update_info(ipc.params, ipc.transfer_info))
+    assert (info.names, info.shapes, info.export_id) == (["w"], [[2, 3]], "e1")
+    assert unpickle_handles(info.ipc_handles_pickled) == handles
+    vllms = {f.name for f in fields(IPCWeightTransferUpdateInfo)}
+    assert {f.name for f in fields(DirectIpcUpdateInfo)} - vllms == {"export_id"}
+    # Without an export id (a publisher that names none) the round still carries the handles.
+    bare = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": payload})
+    assert DirectIpcUpdateInfo(**get_backend("ipc").update_info(bare.params, bare.transfer_info)).export_id == ""
 
 
 def test_ipc_publishers_need_a_cuda_device_and_say_so():

@@ -61,6 +61,10 @@ class Session:
     joined: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
     keeper_joined: bool = False
     keeper_error: Optional[str] = None
+    # The last /update_weights info that announced its parameters: what a call announcing
+    # none (empty names, dtype_names and shapes) reuses, as vLLM's NCCL engine does from
+    # 0.33, whose trainer engine ships them only when they changed.
+    announced: Optional[dict] = None
 
     def __post_init__(self) -> None:
         # Asked on every poll of every replica: built once, not per call (that made a
@@ -84,6 +88,20 @@ def _required(info: dict, key: str, kind: type) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool):
         raise InvalidRequestError(f"init_info.{key}", f"required, a {kind.__name__}; got {value!r}")
     return value
+
+
+METADATA = ("names", "dtype_names", "shapes")
+
+
+def _with_announced(update_info: Any, announced: Optional[dict]) -> Any:
+    """``update_info`` with the session's last announced parameters where it announces
+    none (all three lists empty): vLLM 0.33's NCCL trainer engine sends them only when
+    they changed since its last call. Unchanged otherwise (parse_update_info judges it)."""
+    if not isinstance(update_info, dict) or announced is None:
+        return update_info
+    if all(update_info.get(k, []) == [] for k in METADATA):
+        return {**update_info, **announced}
+    return update_info
 
 
 def parse_update_info(update_info: Any) -> list[ParamSpec]:
@@ -365,8 +383,10 @@ class RouteSessions:
         rnd = u.rnd
         if u.info is not None:
             raise SyncError(f"{rnd.round_id} already received its update; call /finish_weight_update")
+        update_info = _with_announced(update_info, session.announced)
         specs = parse_update_info(update_info)
         check_spec(specs, self.membership.params)
+        session.announced = {k: update_info[k] for k in METADATA}
         rnd.plan = dataclasses.replace(rnd.plan, params=tuple(specs))
         u.info = dict(update_info)
         u.ready.set()
