@@ -709,25 +709,15 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
     /start_weight_update → /update_weights + broadcast → /finish_weight_update → /resume.
     The replicas serve the perturbed policy; it sends the original weights back, and
     served greedy must equal the fresh engine's."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
     from rollout.contracts.net import free_port, own_address
     from rollout.sync.route_client import WeightRoutesClient
+    from rollout.vllm_compat import tensors_source  # vLLM 0.32's WeightSource or 0.33's
 
     app = stage.serving_app()
     reference_v0 = stage.reference(MODEL)
     stage.commit_perturbed(app, perturbed)
-
-    class Tensors(WeightSource):
-        def __init__(self, tensors):
-            self.tensors = tensors
-
-        def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-        def __iter__(self):
-            return iter(self.tensors.items())
 
     trainer = torch.device("cuda", app.trainer_gpu)
     routes = WeightRoutesClient(f"http://127.0.0.1:{HTTP_PORT}", token=os.environ["ROLLOUT_SYNC_TOKEN"])
@@ -739,7 +729,7 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
         routes.pause(mode="keep")
         world = routes.get_world_size()
         info = NCCLTrainerInitInfo(master_address=own_address(), master_port=free_port(), world_size=1 + world, rank=0)
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=routes, source=Tensors(load_weights(MODEL, str(trainer))))
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=routes, source=tensors_source(load_weights(MODEL, str(trainer))))
         init_s = time.perf_counter() - t0
         for _ in range(3):  # the session's group serves every round
             t1 = time.perf_counter()

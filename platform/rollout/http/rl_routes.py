@@ -33,7 +33,7 @@ from rollout.http.routes_app import REFUSED_ERRORS, SYNC_ERRORS, admit, app
 from rollout.sync.adapters import CONFIG_FILE, NAME, TENSORS_FILE, read_peft_directory
 from rollout.sync.auth import Operation
 from rollout.sync.coordinator_client import CoordinatorHandle
-from rollout.sync.sessions import parse_update_info
+from rollout.sync.sessions import parse_update_info, refuse_pickled
 
 REFUSED = (
     "runs arbitrary methods on every engine worker, which would let any caller with the token run code "
@@ -67,8 +67,10 @@ class UpdateInfo(BaseModel):
 
     @model_validator(mode="after")
     def _as_the_coordinator_reads_it(self) -> "UpdateInfo":
-        if self.names or self.dtype_names or self.shapes:  # all empty: the session's last ones (checked there)
+        if self.names or self.dtype_names or self.shapes:
             parse_update_info(self.model_dump())  # the coordinator checks it again (handle callers skip this)
+        else:  # all empty: the session's last announced ones (checked there)
+            refuse_pickled(self.model_dump())
         return self
 
 

@@ -104,8 +104,8 @@ def _with_announced(update_info: Any, announced: Optional[dict]) -> Any:
     return update_info
 
 
-def parse_update_info(update_info: Any) -> list[ParamSpec]:
-    """The parameters an ``/update_weights`` call announces, checked for shape."""
+def refuse_pickled(update_info: Any) -> None:
+    """``InvalidRequestError`` unless ``update_info`` is one object without pickled data."""
     if not isinstance(update_info, dict):
         raise InvalidRequestError("update_info", "must be one object (names, dtype_names, shapes); lists of them are not supported")
     for key in update_info:
@@ -113,6 +113,11 @@ def parse_update_info(update_info: Any) -> list[ParamSpec]:
         # every engine for whoever reaches this route. Nothing from the network is unpickled.
         if "pickle" in str(key).lower() or str(key) == "ipc_handles":
             raise InvalidRequestError(f"update_info.{key}", "pickled data is not accepted over HTTP; publish IPC handles with WeightPublisher.connect inside the cluster")
+
+
+def parse_update_info(update_info: Any) -> list[ParamSpec]:
+    """The parameters an ``/update_weights`` call announces, checked for shape."""
+    refuse_pickled(update_info)
     columns = {}
     for key in ("names", "dtype_names", "shapes"):
         value = update_info.get(key)
