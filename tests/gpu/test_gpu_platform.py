@@ -49,6 +49,7 @@ THROUGHPUT_ROUNDS = 3
 THROUGHPUT_TOKENS = 128
 PUBLISHES = 4  # the first forms the NCCL group; the rest are the steady state
 IPC_PUBLISHES = 5  # the first maps the trainer's export; the rest offer it again (the steady state)
+IPC_STEP_AT = 2  # the publish before which the trainer writes the perturbed weights in place
 IPC_GOAL_S = 0.020  # issue 41: a steady IPC publish of the 2.96 GB model, trainer to committed
 # Below this a GPU holds no engine (a replica takes gpu_memory_utilization of ~80 GB);
 # an engine that starts or stops moves a GPU's memory by more than this.
@@ -890,7 +891,10 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, p
     """A trainer on the replica's GPU publishes over ``ipc``: the replica's engine (ours,
     rollout.sync.backends.ipc_worker) maps the trainer's tensors once and copies them into
     the parameters with the direct plan. The first publish maps the export; the steady ones
-    offer the same export again (the trainer's tensors did not move) and map nothing.
+    offer the same export again (the trainer's tensors did not move) and map nothing. The
+    first two publish the original weights; then the trainer writes the perturbed policy
+    into the same tensors in place (as an optimizer step does) and publishes three more
+    times: the replica must serve the new values through the export it kept.
 
     Recorded: every publish's seconds and where they went (the trainer's steps and the
     replica's), and the floor: one ``_foreach_copy_`` of the same bytes on this GPU. The
@@ -904,7 +908,8 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, p
     want = stage.reference(perturbed)
     replica_gpu = app.replica_gpu
     device = torch.device("cuda", replica_gpu)
-    tensors = load_weights(perturbed, str(device))
+    tensors = load_weights(MODEL, str(device))
+    trained = load_weights(perturbed, "cpu")  # what the "optimizer step" writes in place
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     floor_s = _device_copy_floor(list(tensors.values()), device)
     torch.cuda.synchronize(device)
@@ -913,9 +918,13 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, p
     app.published = True
     pub = WeightPublisher.connect(app_name=app.name, backend="ipc")
     seconds, trainer_phases, replica_phases, reused = [], [], [], []
-    for _ in range(IPC_PUBLISHES):
+    for i in range(IPC_PUBLISHES):
+        if i == IPC_STEP_AT:
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    t.copy_(trained[name])  # host to device, into the published storage
         t0 = time.perf_counter()
-        version = pub.publish(tensors, checkpoint=str(perturbed))
+        version = pub.publish(tensors, checkpoint=str(perturbed if i >= IPC_STEP_AT else MODEL))
         seconds.append(round(time.perf_counter() - t0, 4))
         trainer_phases.append({k: round(v, 5) for k, v in pub.last_phases.items()})
         replica_phases.append({rid: {k: round(v, 5) for k, v in ph.items()} for rid, ph in pub.last_outcome.phases.items()})
@@ -941,7 +950,7 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, p
         phases=pub.last_outcome.phases,
         version=version,
     )
-    del tensors
+    del tensors, trained
     torch.cuda.empty_cache()
     assert got == want, first_mismatch(got, want)
     assert peak_growth < 0.05 * nbytes, f"the trainer's GPU memory grew by {peak_growth} bytes for {nbytes} bytes of weights"
