@@ -152,21 +152,11 @@ def main() -> None:
         return answer
 
     def routes(cmd: dict) -> dict:
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
         from rollout.sync.backends.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
         from rollout.sync.route_client import WeightRoutesClient
+        from rollout.vllm_compat import tensors_source  # the trainer's weights by name, in the installed vLLM's WeightSource shape
 
         tensors = weights(cmd["seed"])
-
-        class Checkpoint(WeightSource):
-            """The trainer's weights by name (what ``ModuleSource`` gives for a module)."""
-
-            def metadata(self):
-                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-
-            def __iter__(self):
-                return iter(tensors.items())
 
         client = WeightRoutesClient(url, timeout=120)  # the sync token: ROLLOUT_SYNC_TOKEN
         t0 = time.monotonic()
@@ -176,7 +166,7 @@ def main() -> None:
             master_address=net.own_address(toward=urlparse(url).hostname), master_port=net.free_port(),
             world_size=1 + world, rank=0, timeout_s=cmd.get("timeout_s", 30), bucket_bytes=1 << 18,
         )  # fmt: skip
-        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=Checkpoint())
+        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=tensors_source(tensors))
         try:
             engine.send_weights()  # /start_weight_update, /update_weights while broadcasting, /finish_weight_update
         finally:

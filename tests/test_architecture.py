@@ -111,8 +111,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # The one source of configuration truth.
     ("config", ("rollout.config",)),
     # What runs beside the engine: the weight sync (coordinator, agent, publisher, backends),
-    # routing, scaling signals, metrics.
-    ("services", ("rollout.sync.*", "rollout.routing.*", "rollout.scaling", "rollout.metrics", "rollout.coalesced_stats", "rollout.kube")),
+    # routing, scaling signals, metrics; and how the supported vLLM versions differ (vllm_compat).
+    ("services", ("rollout.sync.*", "rollout.routing.*", "rollout.scaling", "rollout.metrics", "rollout.coalesced_stats", "rollout.kube", "rollout.vllm_compat")),
     # The engine replica: composes the vLLM engine, admission, the sync agent, episodes.
     ("engine", ("rollout.engine.*",)),
     # The ways in: the HTTP ingress and the Python clients.

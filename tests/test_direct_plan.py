@@ -225,11 +225,11 @@ def test_a_parameter_moved_since_the_bake_makes_the_plan_stale_and_the_engine_ba
     engine = make_engine(model, "cpu")
     specs = model.checkpoint_specs()
     info = SimpleNamespace(names=[n for n, _, _ in specs], dtype_names=["float32"] * len(specs), shapes=[list(s) for _, _, s in specs])
-    first = engine._plan_for(info)
-    assert engine._plan_for(info) is first  # kept while nothing moved
+    first = engine._plan_for(info.names, info.dtype_names, info.shapes)
+    assert engine._plan_for(info.names, info.dtype_names, info.shapes) is first  # kept while nothing moved
     model.layers[0].norm.data = torch.ones(H)  # new storage (as a reload would allocate)
     assert "layers.0.norm moved" in first.stale(model)
-    second = engine._plan_for(info)
+    second = engine._plan_for(info.names, info.dtype_names, info.shapes)
     assert second is not first and second.stale(model) is None
     weights = weights_for(specs, 3)
     for named in packed_buckets(weights, 1 << 20):

@@ -374,11 +374,10 @@ def route_session_main(url: str, token: str, model_dir: str, seed: int) -> None:
 
     import torch
     from safetensors.torch import load_file
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
     from rollout.contracts import net
     from rollout.sync.backends.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
     from rollout.sync.route_client import WeightRoutesClient
+    from rollout.vllm_compat import tensors_source
 
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
@@ -387,13 +386,6 @@ def route_session_main(url: str, token: str, model_dir: str, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         tensors = {n: t + torch.randn(t.shape, generator=g).to(t.dtype) * 0.1 if t.is_floating_point() else t for n, t in tensors.items()}
 
-    class Source(WeightSource):
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-
-        def __iter__(self):
-            return iter(tensors.items())
-
     routes = WeightRoutesClient(url, token=token, timeout=120)
     host = url.split("//", 1)[1].rsplit(":", 1)[0]
     port = net.free_port(net.publisher_ports())
@@ -401,7 +393,7 @@ def route_session_main(url: str, token: str, model_dir: str, seed: int) -> None:
     try:
         world = routes.get_world_size()
         info = GlooTrainerInitInfo(master_address=net.own_address(toward=host), master_port=port, world_size=1 + world, rank=0, timeout_s=SYNC_TIMEOUT_S)
-        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=routes, source=Source())
+        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=routes, source=tensors_source(tensors))
         engine.send_weights()
         engine.shutdown()
         print(json.dumps({"version": int(routes.weight_version()), "master_port": port, "elapsed_s": time.monotonic() - t0}), flush=True)

@@ -80,16 +80,20 @@ def test_a_delta_offer_the_schema_refuses_is_refused_naming_the_field_it_came_in
 
 def test_every_update_info_the_schema_allows_is_accepted_when_its_lists_line_up(schema):
     from rollout.http.rl_routes import UpdateInfo
-    from rollout.sync.sessions import parse_update_info
+    from rollout.sync.sessions import _with_announced, parse_update_info
+
+    announced = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]}
 
     def check(case):
         info = case.body["update_info"]
-        if len({len(info[k]) for k in ("names", "dtype_names", "shapes")}) != 1:
-            # What JSON Schema cannot say: refused, naming the field.
-            with pytest.raises(ValidationError, match="update_info: names, dtype_names and shapes must have the same length"):
+        if len({len(info.get(k, [])) for k in ("names", "dtype_names", "shapes")}) != 1:
+            # What JSON Schema cannot say: refused, naming the field (a list left empty
+            # beside others that are not: that one, as required).
+            with pytest.raises(ValidationError, match=r"update_info(: names, dtype_names and shapes must have the same length|\.\w+: required, a non-empty list)"):
                 UpdateInfo.model_validate(info)
             return
-        parse_update_info(UpdateInfo.model_validate(info).model_dump(mode="json"))
+        # All three empty: the session's last announced parameters (vLLM 0.33's trainer engine).
+        parse_update_info(_with_announced(UpdateInfo.model_validate(info).model_dump(mode="json"), announced))
 
     examples(schema["/update_weights"]["POST"], GenerationMode.POSITIVE, check)
 

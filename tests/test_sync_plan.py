@@ -149,44 +149,41 @@ def test_a_group_of_the_same_name_at_a_new_rendezvous_is_joined_anew():
 
 
 
-def test_ipc_plans_produce_vllms_own_ipc_init_and_update_info(monkeypatch):
+def test_ipc_plans_produce_vllms_ipc_init_info_and_our_engines_update_info():
     import base64
     import pickle
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
 
-    handles = [{"GPU-uuid": ("rebuild", "args")}]
-    ipc = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()})
-    assert IPCWeightTransferInitInfo(**init_info(ipc, "a")).packed is False
-    update = get_backend("ipc").update_info(ipc.params, ipc.transfer_info)
-    # vLLM's own dataclass reads pickled handles only where insecure serialization is
-    # allowed, a setting that changes vLLM's compile-cache key (issue 41)...
-    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
-    with pytest.raises(ValueError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
-        IPCWeightTransferUpdateInfo(**update)
-    # ...so the replicas' engine unpickles them itself, without it.
-    from rollout.sync.backends.ipc_worker import UnpicklingIpcWeightTransferEngine
+    from rollout.sync.backends.ipc_handles import unpickle_handles
+    from rollout.sync.backends.ipc_worker import DirectIpcUpdateInfo
 
-    engine = object.__new__(UnpicklingIpcWeightTransferEngine)  # parse_update_info needs no engine state
-    info = engine.parse_update_info(update)
-    assert (info.names, info.shapes, info.ipc_handles, info.ipc_handles_pickled) == (["w"], [[2, 3]], handles, None)
+    handles = [{"GPU-uuid": ("rebuild", "args")}]
+    payload = base64.b64encode(pickle.dumps(handles)).decode()
+    ipc = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": payload, "export_id": "e1"})
+    assert IPCWeightTransferInitInfo(**init_info(ipc, "a")).packed is False
+    # The replicas' engine is ours (registered under its own name), its update info vLLM's
+    # unpacked one's fields plus the export's id; the handles stay pickled until needed.
+    assert get_backend("ipc").vllm_engine == "rollout-ipc-direct"
+    info = DirectIpcUpdateInfo(**get_backend("ipc").update_info(ipc.params, ipc.transfer_info))
+    assert (info.names, info.shapes, info.export_id) == (["w"], [[2, 3]], "e1")
+    assert unpickle_handles(info.ipc_handles_pickled) == handles
+    vllms = {f.name for f in fields(IPCWeightTransferUpdateInfo)}
+    assert {f.name for f in fields(DirectIpcUpdateInfo)} - vllms == {"export_id"}
+    # Without an export id (a publisher that names none) the round still carries the handles.
+    bare = replace(plan("ipc"), transfer_info={"ipc_handles_pickled": payload})
+    assert DirectIpcUpdateInfo(**get_backend("ipc").update_info(bare.params, bare.transfer_info)).export_id == ""
     # The update info crosses vLLM's engine-core channel as plain msgpack (no pickle fallback).
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+    update = get_backend("ipc").update_info(ipc.params, ipc.transfer_info)
     assert MsgpackDecoder().decode(MsgpackEncoder().encode(update)) == update
 
 
-def test_ipc_replicas_get_the_unpickling_engine_and_no_insecure_serialization(monkeypatch):
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    from rollout.sync.backends.ipc_worker import UnpicklingIpcWeightTransferEngine
-    from rollout.sync.vllm_plugin import register
-
-    backend = get_backend("ipc")
-    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in backend.engine_env
-    register()
-    assert WeightTransferEngineFactory._registry[backend.vllm_engine]() is UnpicklingIpcWeightTransferEngine
+def test_ipc_replicas_get_our_engine_and_no_insecure_serialization():
+    """VLLM_ALLOW_INSECURE_SERIALIZATION is a factor of vLLM's compile-cache key (issue 41)."""
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in get_backend("ipc").engine_env
 
 
 def test_ipc_publishers_need_a_cuda_device_and_say_so():

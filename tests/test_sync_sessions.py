@@ -61,7 +61,10 @@ async def test_one_trainers_calls_drive_every_replica_and_each_gets_its_own_rank
         seen: list = []
         rounds = [asyncio.create_task(m.round(seen)) for m in members]
         await asyncio.wait_for(c.drive(None, FleetQuery.START_UPDATE), 2)
-        await asyncio.wait_for(c.drive(None, Update(UPDATE)), 2)
+        # The second announces no parameters, as vLLM 0.33's NCCL trainer engine does when
+        # they did not change: every member still gets the ones announced before.
+        unchanged = {**UPDATE, "names": [], "dtype_names": [], "shapes": []}
+        await asyncio.wait_for(c.drive(None, Update(UPDATE if expected == 1 else unchanged)), 2)
         version = await asyncio.wait_for(c.drive(None, FinishUpdate(None if expected == 1 else "7")), 2)
         await asyncio.gather(*rounds)
         assert version == expected and seen == [expected, expected] and c.store.version == expected
@@ -106,6 +109,17 @@ async def test_pause_returns_once_every_replica_applied_it():
         c.membership.replicas[m.rid].control = Control(paused="keep")
     await asyncio.wait_for(pause, 2)
     assert await c.drive(None, FleetQuery.IS_PAUSED)
+
+
+def test_an_update_that_announces_no_parameters_reuses_the_last_announced_ones_or_is_refused():
+    from rollout.sync.sessions import _with_announced
+
+    empty = {"names": [], "dtype_names": [], "shapes": [], "packed": True}
+    announced = {k: UPDATE[k] for k in ("names", "dtype_names", "shapes")}
+    assert _with_announced(empty, announced) == {**empty, **announced}
+    assert _with_announced(UPDATE, {"names": ["other"], "dtype_names": ["int8"], "shapes": [[1]]}) == UPDATE
+    with pytest.raises(InvalidRequestError, match="update_info.names"):  # nothing announced yet to reuse
+        parse_update_info(_with_announced(empty, None))
 
 
 def test_update_info_and_versions_are_checked_naming_the_field():

@@ -72,8 +72,22 @@ _catch_up = _filled(
 
 
 def _ipc(m: dict[str, Any]) -> str:
-    return (
-        f"publish {m.get('publish_s')} s; greedy {m.get('greedy')}; the trainer's peak GPU memory grew by "
+    text = f"publish {m.get('publish_s')} s"
+    if "steady_publish_s" in m:  # since the direct IPC engine: the goal, the floor, where the time went
+        met = "met" if m.get("goal_met") else "missed"
+        text += (
+            f"; steady {m['steady_publish_s'] * 1000:.1f} ms: **goal < {m.get('goal_s', 0) * 1000:.0f} ms {met}**; "
+            f"one device copy of the same bytes {m.get('device_copy_floor_s', 0) * 1000:.2f} ms; export reused {m.get('export_reused')}"
+        )
+        last = (m.get("replica_phases") or [{}])[-1]
+        for rid, phases in last.items():
+            steps = ", ".join(f"{k} {v * 1000:.1f}" for k, v in phases.items())
+            text += f"; last publish, replica {rid} (ms): {steps}"
+        trainer = (m.get("trainer_phases") or [{}])[-1]
+        if trainer:
+            text += "; trainer (ms): " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in trainer.items())
+    return text + (
+        f"; greedy {m.get('greedy')}; the trainer's peak GPU memory grew by "
         f"{m.get('trainer_peak_growth_bytes')} bytes for {m.get('weights_bytes', 0) / 1e9:.2f} GB of weights"
     )
 

@@ -4,7 +4,14 @@
 #   bash tests/gpu/check.sh models    build the test models with the machine's own Python (torch +
 #                                     transformers are there already): start it first, in the background
 #   bash tests/gpu/check.sh install   verify and unpack the transferred parts, install the overlay
-#                                     (vllm 0.32.0, torch 2.13.0+cu130, ray 2.60.0) and the project
+#                                     (vllm 0.32.0, torch 2.13.0+cu130, ray 2.60.0; with VLLM_VERSION=0.33.0
+#                                     the parts of .gpu-transfer-0.33.0/: vllm 0.33.0, torch 2.14.0) and
+#                                     the project
+#   VLLM_VERSION=0.33.0 bash tests/gpu/check.sh install-delta
+#                                     on a machine that installed the 0.32.0 parts: verify and unpack the
+#                                     delta parts (.gpu-transfer-0.33.0/delta/parts, in $ROLLOUT_GPU_PARTS),
+#                                     build the 0.33.0 wheel set from the 0.32.0 one and the delta, and
+#                                     install it into its own overlay ($ROLLOUT_GPU_SITE) and the project
 #   bash tests/gpu/check.sh run [S] [PYTEST ARGS...]
 #                                     run the GPU tests (tests/gpu/test_gpu_*.py: the senders', the
 #                                     platform's, then any other file), at most S seconds (default
@@ -15,8 +22,11 @@
 #                                     publishes into 1, 2 and 3 replicas (it skips with fewer)
 #
 # Where things are (override with the variables):
-#   ROLLOUT_GPU_PARTS  the transferred part-NNN files and SHA256SUMS   (default /tmp/acc)
-#   ROLLOUT_GPU_SITE   the overlay installed with pip --target          (default /tmp/site)
+#   VLLM_VERSION       the vLLM the overlay holds (default 0.32.0); the results record the installed one
+#   ROLLOUT_GPU_PARTS  the transferred part-NNN files and SHA256SUMS   (default /tmp/acc; for another
+#                      version /tmp/acc-VERSION, and /tmp/acc-VERSION-delta for install-delta)
+#   ROLLOUT_GPU_SITE   the overlay installed with pip --target          (default /tmp/site; for another
+#                      version /tmp/site-VERSION, so both overlays can stay installed side by side)
 #   ROLLOUT_GPU_WORK   models, checkpoints, the project's install, logs (default /tmp/gpu-work)
 #   ROLLOUT_GPU_MARGIN seconds before the end of S after which no check starts (default 360: the
 #                      longest check, TP=2, takes about five minutes; the fleet check, on four GPUs,
@@ -24,8 +34,10 @@
 #                      engine and compiles first)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-PARTS=${ROLLOUT_GPU_PARTS:-/tmp/acc}
-SITE=${ROLLOUT_GPU_SITE:-/tmp/site}
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+if [ "$VLLM_VERSION" = 0.32.0 ]; then SUFFIX=""; else SUFFIX="-$VLLM_VERSION"; fi
+if [ "${1:-}" = install-delta ]; then PARTS=${ROLLOUT_GPU_PARTS:-/tmp/acc$SUFFIX-delta}; else PARTS=${ROLLOUT_GPU_PARTS:-/tmp/acc$SUFFIX}; fi
+SITE=${ROLLOUT_GPU_SITE:-/tmp/site$SUFFIX}
 WORK=${ROLLOUT_GPU_WORK:-/tmp/gpu-work}
 RESULTS_DIR=${OUT:-$WORK/out}
 PY=${PYTHON:-python3}
@@ -44,13 +56,53 @@ models() {
 install() {
     local t0=$SECONDS
     (cd "$PARTS" && sha256sum --quiet -c SHA256SUMS) || { echo "install: the parts in $PARTS do not match SHA256SUMS"; return 1; }
-    rm -rf "$WORK/wheels"
-    cat "$PARTS"/part-* | tar -x -C "$WORK" || { echo "install: unpacking the parts failed"; return 1; }
-    echo "install: $(ls "$WORK/wheels" | wc -l) wheels verified and unpacked in $((SECONDS - t0)) s"
-    # ONE pip call for all wheels: a later `pip --target --upgrade` replaces whole top-level folders (nvidia/).
-    env -u PYTHONPATH "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WORK"/wheels/*.whl \
+    rm -rf "$WORK/wheels$SUFFIX"
+    # The tar holds wheels/: a version's own set goes to wheels-VERSION, beside the 0.32.0 one.
+    cat "$PARTS"/part-* | tar -x -C "$WORK" --transform "s#^wheels#wheels$SUFFIX#" || { echo "install: unpacking the parts failed"; return 1; }
+    echo "install: $(ls "$WORK/wheels$SUFFIX" | wc -l) wheels verified and unpacked in $((SECONDS - t0)) s"
+    install_set "$WORK/wheels$SUFFIX" "$t0"
+}
+
+install_delta() {
+    # The 0.32.0 set ($WORK/wheels, from `install`) less the wheels REPLACES names, plus the delta's: one
+    # set, installed as `install` installs one (hard links: no copy of the shared wheels).
+    local t0=$SECONDS set="$WORK/wheels$SUFFIX"
+    [ -n "$SUFFIX" ] || { echo "install-delta: set VLLM_VERSION to the version the delta is for"; return 1; }
+    [ -d "$WORK/wheels" ] || { echo "install-delta: no 0.32.0 wheels in $WORK/wheels (run install with the 0.32.0 parts first)"; return 1; }
+    (cd "$PARTS" && sha256sum --quiet -c SHA256SUMS) || { echo "install-delta: the parts in $PARTS do not match SHA256SUMS"; return 1; }
+    rm -rf "$WORK/wheels-delta" "$set"
+    cat "$PARTS"/part-* | tar -x -C "$WORK" || { echo "install-delta: unpacking the parts failed"; return 1; }
+    "$PY" - "$WORK/wheels" "$WORK/wheels-delta" "$set" <<'EOF' || return 1
+import os, re, sys
+base, delta, out = sys.argv[1:]
+norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()
+replaced = set()
+for line in open(os.path.join(delta, "REPLACES")):
+    if line.strip():
+        name, version = line.strip().split("==")
+        replaced.add((norm(name), version))
+os.makedirs(out)
+kept = [f for f in os.listdir(base) if (norm(f.split("-")[0]), f.split("-")[1]) not in replaced]
+missing = len(replaced) - (len(os.listdir(base)) - len(kept))
+if missing:
+    sys.exit(f"install-delta: {missing} wheel(s) REPLACES names are not in {base}: not the 0.32.0 set")
+new = [f for f in os.listdir(delta) if f.endswith(".whl")]
+for folder, names in ((base, kept), (delta, new)):
+    for f in names:
+        os.link(os.path.join(folder, f), os.path.join(out, f))
+print(f"install-delta: {len(kept)} wheels of the 0.32.0 set and {len(new)} of the delta ({len(replaced)} replaced)")
+EOF
+    install_set "$set" "$t0"
+}
+
+install_set() {
+    local wheels=$1 t0=$2
+    # A fresh overlay: ONE pip call for all wheels (a later `pip --target --upgrade` replaces whole top-level
+    # folders, nvidia/ among them, so an overlay is never updated in place).
+    rm -rf "$SITE"
+    env -u PYTHONPATH "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$wheels"/*.whl \
         || { echo "install: pip failed"; return 1; }
-    # torch 2.13 finds its CUDA libraries through RPATH $ORIGIN/../../nvidia/{cu13,...}/lib inside $SITE only; the
+    # torch (2.13, 2.14) finds its CUDA libraries through RPATH $ORIGIN/../../nvidia/{cu13,...}/lib inside $SITE only; the
     # ones reused from the image (cupti nvrtc cudart cufft cufile curand cusolver cusparse nvjitlink nvtx, nvshmem)
     # are linked in, never over a carried file. Never put the image's nvidia folders on LD_LIBRARY_PATH.
     env -u PYTHONPATH "$PY" - "$SITE" <<'EOF'
@@ -80,6 +132,7 @@ EOF
     export PYTHONPATH="$WORK/project:$SITE"
     "$PY" -c "import torch, vllm, ray, pydantic, rollout; print('install: torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), '| vllm', vllm.__version__, '| ray', ray.__version__, '| rollout from', rollout.__file__)" \
         || { echo "install: the overlay does not import"; return 1; }
+    "$PY" -c "import vllm, sys; sys.exit(0 if vllm.__version__ == '$VLLM_VERSION' else f'install: vllm {vllm.__version__} installed, not $VLLM_VERSION')" || return 1
     echo "install: done in $((SECONDS - t0)) s"
 }
 
@@ -117,6 +170,7 @@ run() {
 case "${1:-}" in
     models) models ;;
     install) install ;;
+    install-delta) install_delta ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 models|install|run [seconds]"; exit 2 ;;
+    *) echo "usage: $0 models|install|install-delta|run [seconds]"; exit 2 ;;
 esac

@@ -48,6 +48,9 @@ THROUGHPUT_CONCURRENCY = (64, 256)
 THROUGHPUT_ROUNDS = 3
 THROUGHPUT_TOKENS = 128
 PUBLISHES = 4  # the first forms the NCCL group; the rest are the steady state
+IPC_PUBLISHES = 5  # the first maps the trainer's export; the rest offer it again (the steady state)
+IPC_STEP_AT = 2  # the publish before which the trainer writes the perturbed weights in place
+IPC_GOAL_S = 0.020  # issue 41: a steady IPC publish of the 2.96 GB model, trainer to committed
 # Below this a GPU holds no engine (a replica takes gpu_memory_utilization of ~80 GB);
 # an engine that starts or stops moves a GPU's memory by more than this.
 GPU_IDLE_BYTES = 8 << 30
@@ -709,25 +712,15 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
     /start_weight_update → /update_weights + broadcast → /finish_weight_update → /resume.
     The replicas serve the perturbed policy; it sends the original weights back, and
     served greedy must equal the fresh engine's."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
     from rollout.contracts.net import free_port, own_address
     from rollout.sync.route_client import WeightRoutesClient
+    from rollout.vllm_compat import tensors_source  # vLLM 0.32's WeightSource or 0.33's
 
     app = stage.serving_app()
     reference_v0 = stage.reference(MODEL)
     stage.commit_perturbed(app, perturbed)
-
-    class Tensors(WeightSource):
-        def __init__(self, tensors):
-            self.tensors = tensors
-
-        def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-        def __iter__(self):
-            return iter(self.tensors.items())
 
     trainer = torch.device("cuda", app.trainer_gpu)
     routes = WeightRoutesClient(f"http://127.0.0.1:{HTTP_PORT}", token=os.environ["ROLLOUT_SYNC_TOKEN"])
@@ -739,7 +732,7 @@ def test_a_trainer_written_for_vllm_serve_updates_the_replicas_over_nccl_through
         routes.pause(mode="keep")
         world = routes.get_world_size()
         info = NCCLTrainerInitInfo(master_address=own_address(), master_port=free_port(), world_size=1 + world, rank=0)
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=routes, source=Tensors(load_weights(MODEL, str(trainer))))
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=routes, source=tensors_source(load_weights(MODEL, str(trainer))))
         init_s = time.perf_counter() - t0
         for _ in range(3):  # the session's group serves every round
             t1 = time.perf_counter()
@@ -895,6 +888,19 @@ def test_a_replica_added_after_a_commit_serves_the_committed_version_from_the_ch
 
 
 def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, perturbed, record):
+    """A trainer on the replica's GPU publishes over ``ipc``: the replica's engine (ours,
+    rollout.sync.backends.ipc_worker) maps the trainer's tensors once and copies them into
+    the parameters with the direct plan. The first publish maps the export; the steady ones
+    offer the same export again (the trainer's tensors did not move) and map nothing. The
+    first two publish the original weights; then the trainer writes the perturbed policy
+    into the same tensors in place (as an optimizer step does) and publishes three more
+    times: the replica must serve the new values through the export it kept.
+
+    Recorded: every publish's seconds and where they went (the trainer's steps and the
+    replica's), and the floor: one ``_foreach_copy_`` of the same bytes on this GPU. The
+    goal (issue 41) is a steady publish, trainer to committed, under IPC_GOAL_S; a miss is
+    recorded as its number (``goal_met`` false), not failed: the check fails only where the
+    replica does not serve exactly the published weights or the trainer's memory grew."""
     from rollout.sync import WeightPublisher
 
     app = stage.app_for(platform_cfg("gpu-ipc", "ipc"))
@@ -902,34 +908,71 @@ def test_ipc_publish_from_a_trainer_on_the_replica_gpu_costs_it_no_copy(stage, p
     want = stage.reference(perturbed)
     replica_gpu = app.replica_gpu
     device = torch.device("cuda", replica_gpu)
-    tensors = load_weights(perturbed, str(device))
+    tensors = load_weights(MODEL, str(device))
+    trained = load_weights(perturbed, "cpu")  # what the "optimizer step" writes in place
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    floor_s = _device_copy_floor(list(tensors.values()), device)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     app.published = True
     pub = WeightPublisher.connect(app_name=app.name, backend="ipc")
-    seconds = []
-    for _ in range(3):
+    seconds, trainer_phases, replica_phases, reused = [], [], [], []
+    for i in range(IPC_PUBLISHES):
+        if i == IPC_STEP_AT:
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    t.copy_(trained[name])  # host to device, into the published storage
         t0 = time.perf_counter()
-        version = pub.publish(tensors, checkpoint=str(perturbed))
+        version = pub.publish(tensors, checkpoint=str(perturbed if i >= IPC_STEP_AT else MODEL))
         seconds.append(round(time.perf_counter() - t0, 4))
+        trainer_phases.append({k: round(v, 5) for k, v in pub.last_phases.items()})
+        replica_phases.append({rid: {k: round(v, 5) for k, v in ph.items()} for rid, ph in pub.last_outcome.phases.items()})
+        reused.append(pub._sender.export_reused)
     peak_growth = torch.cuda.max_memory_allocated(device) - before
     pub.close()
     got = greedy(on_platform(app.handle))
+    steady = statistics.median(seconds[1:])
     record(
         replica_gpu=replica_gpu,
         publish_s=seconds,
+        steady_publish_s=round(steady, 4),
+        goal_s=IPC_GOAL_S,
+        goal_met=steady < IPC_GOAL_S,
+        device_copy_floor_s=round(floor_s, 5),
+        export_reused=reused,
         weights_bytes=nbytes,
+        tensors=len(tensors),
         trainer_peak_growth_bytes=peak_growth,
         greedy=first_mismatch(got, want),
+        trainer_phases=trainer_phases,
+        replica_phases=replica_phases,
         phases=pub.last_outcome.phases,
         version=version,
     )
-    del tensors
+    del tensors, trained
     torch.cuda.empty_cache()
     assert got == want, first_mismatch(got, want)
     assert peak_growth < 0.05 * nbytes, f"the trainer's GPU memory grew by {peak_growth} bytes for {nbytes} bytes of weights"
+    assert reused == [False] + [True] * (IPC_PUBLISHES - 1), f"the trainer's tensors did not move, so every publish after the first offers the same export: {reused}"
+
+
+def _device_copy_floor(tensors: list, device) -> float:
+    """Seconds of one ``_foreach_copy_`` of ``tensors`` into fresh tensors on ``device``
+    (the best of five, after a warm-up): what moving the bytes costs, nothing else."""
+    dst = [torch.empty_like(t) for t in tensors]
+    best = float("inf")
+    with torch.cuda.device(device):
+        for i in range(6):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            torch._foreach_copy_(dst, tensors)
+            torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+    del dst
+    torch.cuda.empty_cache()
+    return best
 
 
 # ---- sparse NCCL publish (deltas) -----------------------------------------------

@@ -67,6 +67,22 @@ def test_contiguous_gpu_parameters_are_shared_in_place_without_a_copy():
     sender.close()
 
 
+def test_ipc_tensors_that_did_not_move_are_offered_as_the_same_export_and_moved_ones_anew():
+    weights = [torch.randn(64, 64, device="cuda"), torch.randn(32, device="cuda")]
+    sender = make_sender("ipc")
+    first = sender.offer(weights)
+    assert not sender.export_reused and first.export_id
+    with torch.no_grad():
+        weights[0].mul_(2)  # an optimizer step: in place, the same memory
+    again = sender.offer(list(weights))
+    assert sender.export_reused and again == first  # the same handles, the same export id
+    weights[1] = torch.randn(32, device="cuda")  # re-allocated: its handle would point elsewhere
+    moved = sender.offer(weights)
+    assert not sender.export_reused and moved.export_id != first.export_id
+    assert set(sender.phases) == {"offer"}
+    sender.close()
+
+
 def test_a_gpu_trainer_publishes_over_gloo_from_its_gpu_tensors():
     import threading
 

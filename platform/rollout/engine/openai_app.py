@@ -91,9 +91,11 @@ def serve_argv(model: ModelConfig, openai: OpenAIConfig, engine_kwargs: dict[str
 
 
 def parse_serve_args(argv: list[str]):
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from rollout.vllm_compat import serve_arg_parsing
+
+    make_arg_parser, validate_parsed_serve_args = serve_arg_parsing()
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     args = parser.parse_args(["--model", *argv[:1], *argv[1:]]) if argv else parser.parse_args([])
     validate_parsed_serve_args(args)

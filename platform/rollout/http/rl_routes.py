@@ -33,7 +33,7 @@ from rollout.http.routes_app import REFUSED_ERRORS, SYNC_ERRORS, admit, app
 from rollout.sync.adapters import CONFIG_FILE, NAME, TENSORS_FILE, read_peft_directory
 from rollout.sync.auth import Operation
 from rollout.sync.coordinator_client import CoordinatorHandle
-from rollout.sync.sessions import parse_update_info
+from rollout.sync.sessions import parse_update_info, refuse_pickled
 
 REFUSED = (
     "runs arbitrary methods on every engine worker, which would let any caller with the token run code "
@@ -55,17 +55,22 @@ def _no_pickled_keys(schema: dict) -> None:
 class UpdateInfo(BaseModel):
     """``/update_weights``'s ``update_info`` (vLLM's NCCL/gloo update info): the parameters
     the trainer broadcasts next, in order. ``names``, ``dtype_names`` and ``shapes`` have
-    the same length (which JSON Schema cannot say; a 400 does). Other keys pass through to
-    the engines, except pickled handles, which nothing from the network may carry."""
+    the same length (which JSON Schema cannot say; a 400 does); all three empty reuses the
+    parameters this session's last call announced (vLLM 0.33's NCCL trainer engine sends
+    them only when they changed). Other keys pass through to the engines, except pickled
+    handles, which nothing from the network may carry."""
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_no_pickled_keys)
-    names: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
-    dtype_names: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, description="torch's dtype names (`float32` or `torch.float32`).")
-    shapes: list[list[NonNegativeInt]] = Field(min_length=1)
+    names: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    dtype_names: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, description="torch's dtype names (`float32` or `torch.float32`).")
+    shapes: list[list[NonNegativeInt]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _as_the_coordinator_reads_it(self) -> "UpdateInfo":
-        parse_update_info(self.model_dump())  # the coordinator checks it again (handle callers skip this)
+        if self.names or self.dtype_names or self.shapes:
+            parse_update_info(self.model_dump())  # the coordinator checks it again (handle callers skip this)
+        else:  # all empty: the session's last announced ones (checked there)
+            refuse_pickled(self.model_dump())
         return self
 
 

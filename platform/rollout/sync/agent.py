@@ -67,6 +67,7 @@ from rollout.sync.coordinator_client import CoordinatorHandle
 from rollout.sync.salt import CacheSalts
 from rollout.sync.sleep import ReplicaSleep
 from rollout.sync.storage import verify_checkpoint
+from rollout.vllm_compat import pause_scheduler
 
 if TYPE_CHECKING:
     from rollout.config import SyncConfig
@@ -77,30 +78,14 @@ logger = logging.getLogger(__name__)
 # counts as blocked for good (see SyncAgent._transfer).
 WEDGED_GRACE_S = 15.0
 
-_PAUSE_FALLBACK_LOGGED = False
 _NO_DIGESTS_LOGGED: set[str] = set()  # replicas whose engine wrote no digests (logged once each)
 
 
 async def pause_for_update(engine: Any, mode: str, clear_cache: bool = True) -> None:
-    """vLLM's ``pause_generation(mode, clear_cache)`` without its closing 20 ms sleep.
-
-    That sleep only lets the last outputs of requests the pause ended reach their callers
-    before the method returns, which vLLM notes is not needed for correctness; in a sync
-    round it sits on the critical path of every publish, and nothing here waits on that
-    ordering (vLLM labels tokens with the version they were computed under). An engine
-    without those calls gets ``pause_generation`` itself.
-    """
-    core, renderer = getattr(engine, "engine_core", None), getattr(engine, "renderer", None)
-    if not hasattr(core, "pause_scheduler_async") or not hasattr(renderer, "clear_mm_cache_async"):
-        global _PAUSE_FALLBACK_LOGGED
-        if not _PAUSE_FALLBACK_LOGGED:
-            logger.info("the engine has no engine_core.pause_scheduler_async: sync rounds pause through pause_generation (20 ms more each)")
-            _PAUSE_FALLBACK_LOGGED = True
-        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
-        return
-    if clear_cache:  # as pause_generation does
-        await renderer.clear_mm_cache_async()
-    await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+    """vLLM's ``pause_generation(mode, clear_cache)`` without its closing 20 ms sleep (on the
+    critical path of every publish), queuing requests sent meanwhile in every supported
+    vLLM: :func:`rollout.vllm_compat.pause_scheduler`."""
+    await pause_scheduler(engine, mode, clear_cache)
 
 
 async def check_reachable(where: Optional[tuple[str, int]], timeout_s: float) -> None:
@@ -375,7 +360,8 @@ class SyncAgent:
             if want.paused and want.paused != self.control.paused:
                 # As vLLM's /pause: the trainer's clear_cache decides. Requests sent during
                 # the hold start under whatever version its /resume finds: their own salt.
-                await self.engine.pause_generation(mode=want.paused, clear_cache=want.clear_cache)
+                # So they queue (vLLM 0.33's pause_generation would reject them with a 503).
+                await pause_for_update(self.engine, want.paused, want.clear_cache)
                 self.salts.pause()
             elif not want.paused and self.control.paused:
                 if self.sleep.state is None:  # asleep, vLLM resumes its scheduler once fully awake

@@ -61,6 +61,10 @@ class Session:
     joined: dict[str, Optional[str]] = field(default_factory=dict)  # replica -> error or None
     keeper_joined: bool = False
     keeper_error: Optional[str] = None
+    # The last /update_weights info that announced its parameters: what a call announcing
+    # none (empty names, dtype_names and shapes) reuses, as vLLM's NCCL engine does from
+    # 0.33, whose trainer engine ships them only when they changed.
+    announced: Optional[dict] = None
 
     def __post_init__(self) -> None:
         # Asked on every poll of every replica: built once, not per call (that made a
@@ -86,8 +90,22 @@ def _required(info: dict, key: str, kind: type) -> Any:
     return value
 
 
-def parse_update_info(update_info: Any) -> list[ParamSpec]:
-    """The parameters an ``/update_weights`` call announces, checked for shape."""
+METADATA = ("names", "dtype_names", "shapes")
+
+
+def _with_announced(update_info: Any, announced: Optional[dict]) -> Any:
+    """``update_info`` with the session's last announced parameters where it announces
+    none (all three lists empty): vLLM 0.33's NCCL trainer engine sends them only when
+    they changed since its last call. Unchanged otherwise (parse_update_info judges it)."""
+    if not isinstance(update_info, dict) or announced is None:
+        return update_info
+    if all(update_info.get(k, []) == [] for k in METADATA):
+        return {**update_info, **announced}
+    return update_info
+
+
+def refuse_pickled(update_info: Any) -> None:
+    """``InvalidRequestError`` unless ``update_info`` is one object without pickled data."""
     if not isinstance(update_info, dict):
         raise InvalidRequestError("update_info", "must be one object (names, dtype_names, shapes); lists of them are not supported")
     for key in update_info:
@@ -95,6 +113,11 @@ def parse_update_info(update_info: Any) -> list[ParamSpec]:
         # every engine for whoever reaches this route. Nothing from the network is unpickled.
         if "pickle" in str(key).lower() or str(key) == "ipc_handles":
             raise InvalidRequestError(f"update_info.{key}", "pickled data is not accepted over HTTP; publish IPC handles with WeightPublisher.connect inside the cluster")
+
+
+def parse_update_info(update_info: Any) -> list[ParamSpec]:
+    """The parameters an ``/update_weights`` call announces, checked for shape."""
+    refuse_pickled(update_info)
     columns = {}
     for key in ("names", "dtype_names", "shapes"):
         value = update_info.get(key)
@@ -365,8 +388,10 @@ class RouteSessions:
         rnd = u.rnd
         if u.info is not None:
             raise SyncError(f"{rnd.round_id} already received its update; call /finish_weight_update")
+        update_info = _with_announced(update_info, session.announced)
         specs = parse_update_info(update_info)
         check_spec(specs, self.membership.params)
+        session.announced = {k: update_info[k] for k in METADATA}
         rnd.plan = dataclasses.replace(rnd.plan, params=tuple(specs))
         u.info = dict(update_info)
         u.ready.set()

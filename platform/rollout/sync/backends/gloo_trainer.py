@@ -27,6 +27,7 @@ from rollout.contracts.sync_protocol import DEFAULT_BUCKET_BYTES, ParamSpec
 from rollout.sync.backends.gloo_group import GlooGroup, Rendezvous
 from rollout.sync.backends.gloo_stream import send_buckets
 from rollout.sync.backends.gloo_worker import GlooInitInfo
+from rollout.vllm_compat import source_metadata, source_tensors
 
 DEFAULT_GROUP_NAME = "rollout-weights"
 
@@ -71,12 +72,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self) -> None:
-        meta = self.source.metadata()
+        meta = source_metadata(self.source)
         specs = [ParamSpec(m.name, str(m.dtype).removeprefix("torch."), tuple(m.shape)) for m in meta]
         tensors = []
-        for (name, tensor), spec in zip(self.source, specs):
+        for (name, tensor), spec in zip(source_tensors(self.source), specs):
             if name != spec.name:
-                raise ValueError(f"WeightSource yielded {name!r} where its metadata() declared {spec.name!r}")
+                raise ValueError(f"WeightSource yielded {name!r} where its metadata declared {spec.name!r}")
             tensors.append(tensor.detach())
         update_info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs], "shapes": [list(s.shape) for s in specs]}
         self.client.start_weight_update()

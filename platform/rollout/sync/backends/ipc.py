@@ -1,25 +1,30 @@
-"""The ``ipc`` backend: a trainer sharing the replicas' GPU, vLLM's CUDA IPC engine.
+"""The ``ipc`` backend: a trainer sharing the replicas' GPU, vLLM's CUDA IPC engine
+reading straight into the live parameters.
 
 Nothing is broadcast. Before the round opens the publisher *offers* one CUDA IPC
 handle per parameter (torch's ``reduce_tensor``, the format of vLLM's
-``IPCWeightTransferEngine``, unpacked); the plan carries them and each replica's
-engine maps the trainer's memory and loads straight from it. Contiguous CUDA
+``IPCWeightTransferEngine``, unpacked), named by an ``export_id``; the plan carries them
+and each replica's engine (ours, :mod:`rollout.sync.backends.ipc_worker`) maps the
+trainer's memory and copies from it into the parameters with one ``_foreach_copy_``
+where the direct plan allows (vLLM's ``load_weights`` path otherwise). Contiguous CUDA
 parameters are shared in place, so a publish costs the trainer no copy and no GPU
-memory. The handles name this process's GPU by UUID: a replica on another GPU fails
-the round with vLLM's "IPC handle not found for GPU UUID".
+memory. While the trainer's tensors stay where they were, the publisher offers the same
+export again and the replicas keep it mapped (:mod:`rollout.sync.backends.ipc_handles`):
+a steady-state publish maps nothing. The handles name this process's GPU by UUID: a
+replica on another GPU fails the round with vLLM's "IPC handle not found for GPU UUID".
 
-The handles travel pickled (vLLM's ``ipc_handles_pickled``): they hold torch classes
-that vLLM's engine-core messages only carry as pickles. The replicas' engine
-(:mod:`rollout.sync.backends.ipc_worker`) unpickles them in the worker, so replicas run
-without ``VLLM_ALLOW_INSECURE_SERIALIZATION`` (which vLLM's own IPC engine needs, and which
-enters vLLM's compile-cache key). Only an authenticated publisher inside the Ray cluster
-can open a round that carries them (never over HTTP).
+The handles travel pickled (vLLM's ``ipc_handles_pickled``, a string that crosses vLLM's
+engine-core channel as plain msgpack) and our engine unpickles them itself: vLLM's own
+IPC engine does so only under ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, a factor of vLLM's
+compile-cache key (replicas compiled under another key than ``vllm serve``, issue 41)
+that also lets every engine-core message fall back to pickle. Only an authenticated
+publisher inside the Ray cluster can open a round that carries them (never over HTTP).
 """
 
 from __future__ import annotations
 
-import base64
-import pickle
+import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
@@ -28,11 +33,13 @@ import torch
 from rollout.contracts.backend import Sender, SyncBackend, TransferInfo, TransferRound
 from rollout.contracts.sync_protocol import Member
 from rollout.sync.backends.cuda_device import sending_device
+from rollout.sync.backends.ipc_handles import ExportSignature, pickle_handles
 
 if TYPE_CHECKING:
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
 
 IPC_HANDLES = "ipc_handles_pickled"  # the field of vLLM's IPCWeightTransferUpdateInfo
+EXPORT_ID = "export_id"  # the field of ours (ipc_worker.DirectIpcUpdateInfo)
 _NEEDS_HANDLES = (
     "the 'ipc' backend needs the publisher's CUDA IPC handles (and nothing else); "
     "publish with WeightPublisher.connect from a process on the replicas' GPU node"
@@ -42,9 +49,12 @@ _NEEDS_HANDLES = (
 @dataclass(frozen=True)
 class IpcTransferInfo(TransferInfo):
     """What an ``ipc`` publisher offers: one CUDA IPC handle per parameter, in the round's
-    ``params`` order, pickled and base64-encoded (vLLM's ``ipc_handles_pickled``)."""
+    ``params`` order, pickled and base64-encoded (vLLM's ``ipc_handles_pickled``), and the
+    export's id (the same while the publisher offers the same handles again; "" names
+    none, and replicas then map the handles every round)."""
 
     ipc_handles_pickled: str
+    export_id: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ipc_handles_pickled, str) or not self.ipc_handles_pickled:
@@ -59,29 +69,42 @@ class IpcSender(Sender):
     def __init__(self) -> None:
         super().__init__()
         # What the offered handles point into. reduce_tensor's handles do not keep the
-        # storage alive, so these must outlive every replica's load: kept until the next
-        # offer or close(), i.e. past the round's commit.
+        # storage alive, so these must outlive every replica's load: kept until an offer
+        # of other tensors or close(), i.e. past the round's commit. Holding them is also
+        # what makes an equal ExportSignature the same memory.
         self._shared: list[torch.Tensor] = []
+        self._signature: Optional[ExportSignature] = None
+        self._offered: Optional[IpcTransferInfo] = None
+        # Whether the last offer was the held export again (no new handles).
+        self.export_reused = False
 
     def offer(self, tensors: Sequence[torch.Tensor]) -> IpcTransferInfo:
         from torch.multiprocessing.reductions import reduce_tensor
 
+        t0 = time.perf_counter()
         # The handles name the GPU holding the tensors; it must be the replicas' GPU.
         device = sending_device(tensors, "ipc")
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        self.close()
-        self._shared = [t.detach().to(device).contiguous() for t in tensors]
-        handles = [{uuid: reduce_tensor(t)[1]} for t in self._shared]
+        shared = [t.detach().to(device).contiguous() for t in tensors]
+        signature = ExportSignature.of(shared)
+        self.export_reused = self._offered is not None and signature == self._signature
+        if not self.export_reused:
+            gpu = str(torch.cuda.get_device_properties(device).uuid)
+            self.close()
+            self._shared, self._signature = shared, signature
+            handles = [{gpu: reduce_tensor(t)[1]} for t in shared]
+            self._offered = IpcTransferInfo(pickle_handles(handles), uuid.uuid4().hex)
         # Replicas start reading as soon as the round opens: the trainer's pending
-        # writes (the optimizer step, the copies above) must have landed.
+        # writes (the optimizer step, the copies above) must have landed. This is also why
+        # replicas need not wait on the handles' IPC events.
         torch.cuda.synchronize(device)
-        return IpcTransferInfo(base64.b64encode(pickle.dumps(handles)).decode())
+        self.phases = {"offer": time.perf_counter() - t0}
+        return self._offered
 
     def send(self, plan: TransferRound, tensors: Sequence[torch.Tensor]) -> None:
         pass  # the replicas pull through the offered handles
 
     def close(self) -> None:
-        self._shared = []
+        self._shared, self._signature, self._offered = [], None, None
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # let the driver free storage no replica maps any more
 
@@ -91,11 +114,10 @@ class IpcBackend(SyncBackend):
     sender_cls = IpcSender
     transfer_info_cls = IpcTransferInfo
     has_rendezvous = False  # every parameter has its own handle (zero-copy for the trainer)
-    # vLLM's IPC engine, unpickling the handles itself: no VLLM_ALLOW_INSECURE_SERIALIZATION
-    # in the replicas' environment (it would change vLLM's compile-cache key). Trainers
-    # written for `vllm serve` ask for vLLM's own "ipc" trainer engine.
-    worker_engine = "rollout.sync.backends.ipc_worker:UnpicklingIpcWeightTransferEngine"
-    engine_name = "rollout-ipc"
+    # Replicas receive with vLLM's IPC engine less its per-round rebuild and layerwise
+    # reload (ipc_worker); "ipc" in vLLM's factory stays vLLM's engine.
+    worker_engine = "rollout.sync.backends.ipc_worker:DirectIpcWeightTransferEngine"
+    engine_name = "rollout-ipc-direct"
 
     def init_info(self, plan: TransferRound, member: Member) -> "IPCWeightTransferInitInfo":
         from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
@@ -106,7 +128,7 @@ class IpcBackend(SyncBackend):
         """Replicas pull from the publisher's handles: required, and nothing else."""
         from rollout.errors import InvalidRequestError
 
-        if isinstance(transfer_info, dict) and set(transfer_info) != {IPC_HANDLES}:
+        if isinstance(transfer_info, dict) and not {IPC_HANDLES} <= set(transfer_info) <= {IPC_HANDLES, EXPORT_ID}:
             raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)
         if transfer_info is None:
             raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)

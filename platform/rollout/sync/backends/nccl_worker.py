@@ -27,67 +27,25 @@ from typing import Optional
 import torch
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 
-from rollout.sync.backends.direct_plan import DirectPlan, Ineligible, bake, plan_key
+from rollout.sync.backends.direct_engine import DIRECT, VLLM, DirectReceiver
+from rollout.sync.backends.direct_plan import Ineligible
 
 logger = logging.getLogger(__name__)
 
-DIRECT, VLLM = "direct", "vllm"
 
-
-class DirectNcclWeightTransferEngine(NCCLWeightTransferEngine):
+class DirectNcclWeightTransferEngine(DirectReceiver, NCCLWeightTransferEngine):
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
-        self._plan: Optional[DirectPlan] = None
-        self._mode: Optional[str] = None  # this round's path: None until its first chunk
-        self._logged: set[str] = set()
-        # The path the last chunk took ("direct" or "vllm"), for checks and logs.
-        self.last_path: Optional[str] = None
+        self._direct_init()
 
     # ---- which path ---------------------------------------------------------------
 
     def _static_reason(self) -> Optional[str]:
         """Why no round of this engine (as configured now) can take the direct path."""
-        vc, pc = self.vllm_config, self.parallel_config
-        if torch.device(self.device).type != "cuda":
-            return f"device {self.device} is not CUDA (vLLM repacks weights after loading there)"
-        if vc.quant_config is not None or getattr(self.model_config, "quantization", None):
-            return "the model is quantized (weights are processed after loading)"
-        if vc.lora_config is not None:
-            return "LoRA is enabled"
-        if pc.pipeline_parallel_size != 1 or pc.tensor_parallel_size != 1:
-            return f"pipeline/tensor parallel {pc.pipeline_parallel_size}/{pc.tensor_parallel_size} (the direct path is TP=1, PP=1 only)"
-        if self.model is not self._default_model:
-            return "a draft-model update"
-        if not self.packed:
+        reason = super()._static_reason()
+        if reason is None and not self.packed:
             return "the transfer is not packed"
-        return None
-
-    def _fall_back(self, reason: str) -> None:
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning("weight update: vLLM's layerwise reload for this round, not the direct copy: %s", reason)
-        else:
-            logger.debug("weight update: vLLM's path: %s", reason)
-
-    def _plan_for(self, info: NCCLWeightTransferUpdateInfo) -> DirectPlan:
-        """The baked plan for this round's names (re-baked when they, or the live
-        tensors' storage, changed), or Ineligible."""
-        key = plan_key([(n, getattr(torch, d), tuple(s)) for n, d, s in zip(info.names, info.dtype_names, info.shapes)])
-        plan = self._plan
-        if plan is not None and plan.key == key:
-            stale = plan.stale(self.model)
-            if stale is None:
-                return plan
-            logger.info("weight update: direct plan baked again: %s", stale)
-        self._plan = None
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in key]
-        with disable_mtp_completeness_check():
-            plan = bake(self.model, specs)
-        logger.info("weight update: direct plan baked: %d names into %d copies (%d fills, %d dropped)", len(specs), plan.num_copies, len(plan.fills), len(plan.dropped))
-        self._plan = plan
-        return plan
+        return reason
 
     # ---- vLLM's engine interface ----------------------------------------------------
 
@@ -109,7 +67,7 @@ class DirectNcclWeightTransferEngine(NCCLWeightTransferEngine):
             self.last_path = VLLM
             return super().receive_weights(update_info)
         try:
-            plan = self._plan_for(update_info)
+            plan = self._plan_for(update_info.names, update_info.dtype_names, update_info.shapes)
         except Ineligible as e:
             if self._mode == DIRECT:
                 # A later chunk of a round already received directly: no reload can start

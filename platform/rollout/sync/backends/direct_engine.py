@@ -1,0 +1,75 @@
+"""What the receiving engines that replay a :class:`~rollout.sync.backends.direct_plan.DirectPlan`
+share (``nccl_worker``'s and ``ipc_worker``'s): whether a round may go direct at all, the
+plan for a round's names (baked once, re-baked when the names or the live tensors change),
+and the one warning per reason a round takes vLLM's own path instead.
+
+A mix-in for a vLLM ``WeightTransferEngine`` subclass: it reads the engine's
+``vllm_config``, ``parallel_config``, ``model``, ``device``; vLLM is imported only where a
+plan is baked.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from rollout.sync.backends.direct_plan import DirectPlan, bake, plan_key
+
+logger = logging.getLogger(__name__)
+
+DIRECT, VLLM = "direct", "vllm"
+
+
+class DirectReceiver:
+    """Mixed into a vLLM weight-transfer engine (before it in the bases)."""
+
+    def _direct_init(self) -> None:
+        self._plan: Optional[DirectPlan] = None
+        self._mode: Optional[str] = None  # this round's path: None until its first chunk
+        self._logged: set[str] = set()
+        # The path the last chunk took ("direct" or "vllm"), for checks and logs.
+        self.last_path: Optional[str] = None
+
+    def _static_reason(self) -> Optional[str]:
+        """Why no round of this engine (as configured now) can take the direct path."""
+        vc, pc = self.vllm_config, self.parallel_config
+        if torch.device(self.device).type != "cuda":
+            return f"device {self.device} is not CUDA (vLLM repacks weights after loading there)"
+        if vc.quant_config is not None or getattr(self.model_config, "quantization", None):
+            return "the model is quantized (weights are processed after loading)"
+        if vc.lora_config is not None:
+            return "LoRA is enabled"
+        if pc.pipeline_parallel_size != 1 or pc.tensor_parallel_size != 1:
+            return f"pipeline/tensor parallel {pc.pipeline_parallel_size}/{pc.tensor_parallel_size} (the direct path is TP=1, PP=1 only)"
+        if self.model is not self._default_model:
+            return "a draft-model update"
+        return None
+
+    def _fall_back(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("weight update: vLLM's layerwise reload for this round, not the direct copy: %s", reason)
+        else:
+            logger.debug("weight update: vLLM's path: %s", reason)
+
+    def _plan_for(self, names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> DirectPlan:
+        """The baked plan for this round's names (re-baked when they, or the live
+        tensors' storage, changed), or Ineligible."""
+        key = plan_key([(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtype_names, shapes)])
+        plan = self._plan
+        if plan is not None and plan.key == key:
+            stale = plan.stale(self.model)
+            if stale is None:
+                return plan
+            logger.info("weight update: direct plan baked again: %s", stale)
+        self._plan = None
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        specs = [(n, getattr(torch, d), tuple(s)) for n, d, s in key]
+        with disable_mtp_completeness_check():
+            plan = bake(self.model, specs)
+        logger.info("weight update: direct plan baked: %d names into %d copies (%d fills, %d dropped)", len(specs), plan.num_copies, len(plan.fills), len(plan.dropped))
+        self._plan = plan
+        return plan
