@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from rollout.bench.cpu import cpu_while
+from rollout.bench.cpu import cpu_by_pid
 from rollout.bench.machine import machine
 from rollout.config import PlatformConfig
 from rollout.stats_summary import median_interval, paired_ratios
@@ -162,17 +162,11 @@ def measure(by_name: dict[str, Path_], size: Size, headers: dict) -> tuple[dict[
                 ids = prompts(size.requests, seed=k)  # the same prompts for every path of a round
                 for name in names[k % len(names):] + names[: k % len(names)]:
                     await asyncio.sleep(QUIET_S)
-                    loop_cpu: dict[str, float] = {}
-
-                    async def timed() -> tuple[int, float]:
-                        return await _batch(session, by_name[name], ids, size, headers)
-
-                    # cpu_while takes a blocking function: run the batch in this loop meanwhile.
-                    before = _snapshot()
-                    tokens, wall = await timed()
-                    loop_cpu = _spent(before)
+                    # (bench.cpu's cpu_while takes a blocking call: the batch runs in this loop.)
+                    before = cpu_by_pid()
+                    tokens, wall = await _batch(session, by_name[name], ids, size, headers)
+                    cpu[name].append(_spent(before))
                     rounds[name].append({"requests_per_s": round(size.requests / wall, 2), "tokens_per_s": round(tokens / wall, 1)})
-                    cpu[name].append(loop_cpu)
 
     asyncio.run(main())
     medians = {}
@@ -182,16 +176,9 @@ def measure(by_name: dict[str, Path_], size: Size, headers: dict) -> tuple[dict[
     return rounds, medians
 
 
-def _snapshot():
-    from rollout.bench.cpu import _cpu_by_pid
-
-    return _cpu_by_pid()
-
-
-def _spent(before) -> dict[str, float]:
-    from rollout.bench.cpu import _cpu_by_pid
-
-    after = _cpu_by_pid()
+def _spent(before: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by role since ``before`` (bench.cpu's accounting)."""
+    after = cpu_by_pid()
     spent: dict[str, float] = {}
     for pid, (role, t) in after.items():
         spent[role] = spent.get(role, 0.0) + (t - before[pid][1] if pid in before else t)
@@ -245,12 +232,15 @@ def summarize(rounds: dict[str, list[dict]], key: str) -> dict[str, Any]:
     return out
 
 
-def run(cfg: PlatformConfig, device: str = "cpu", size: Size = FULL, log_dir: Path = Path("build/bench-logs"), vllm_port: int = 8791) -> dict[str, Any]:
+def run(cfg: PlatformConfig, device: str = "cpu", size: Size = FULL, vllm_port: int = 8791) -> dict[str, Any]:
     """The benchmark on ``cfg``'s model: a local Ray cluster with the platform, a ``vllm serve`` beside it."""
+    import tempfile
+
     from rollout.local import local_platform
     from rollout.processes import end
 
-    log = log_dir / "per_request-vllm-serve.log"
+    log = Path(tempfile.mkdtemp(prefix="per-request-")) / "vllm-serve.log"
+    print(f"vllm serve logs to {log}", flush=True)
     proc = start_vllm_serve(cfg, device, vllm_port, log)
     try:
         vllm_url = f"http://127.0.0.1:{vllm_port}"
@@ -273,7 +263,7 @@ def run(cfg: PlatformConfig, device: str = "cpu", size: Size = FULL, log_dir: Pa
         "max_tokens": size.max_tokens,
         "prompt_tokens": PROMPT_TOKENS,
         "enforce_eager": cfg.model.enforce_eager,
-        "front_door": cfg.http.model_dump(mode="json", include={"front_door", "throughput_optimized"}) if hasattr(cfg.http, "front_door") else {},
+        "front_door": cfg.http.model_dump(mode="json", include={"front_door", "throughput_optimized"}),
         "measure": key,
         "order": "interleaved: every path a batch in turn, the order rotated every round, each batch after a quiet gap",
         "quiet_s": QUIET_S,
@@ -304,6 +294,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--in-flight", type=int, default=IN_FLIGHT)
     p.add_argument("--eager", action="store_true", help="model.enforce_eager (CPU runs always are)")
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.4,
+        help="model.gpu_memory_utilization on a GPU, for both servers: they share one GPU (default 0.4 each)",
+    )
     p.add_argument("--front-door", choices=("serve_proxy", "haproxy"), help="http.front_door (default: the config's)")
     p.add_argument("--throughput-optimized", action="store_true", help="http.throughput_optimized")
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -321,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = cpu_config(args.model, app_name="rollout-bench-per-request", http=http, model={"enforce_eager": True})
     else:
         data = load_config(args.config).model_dump(mode="json") if args.config else {}
-        data.setdefault("model", {}).update(path=args.model, device="cuda", enforce_eager=args.eager)
+        data.setdefault("model", {}).update(path=args.model, device="cuda", enforce_eager=args.eager, gpu_memory_utilization=args.gpu_memory_utilization)
         data.setdefault("http", {}).update(http)
         data["app_name"] = "rollout-bench-per-request"
         cfg = load_config(data)

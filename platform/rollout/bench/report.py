@@ -430,7 +430,8 @@ def per_request(r: dict[str, Any]) -> list[str]:
             return _bold_with_interval(m["median"], m["interval_90"]) if m else ""
 
         lines.append(f"| {label} | {p[key]:,.1f} ({lo:,.1f}-{hi:,.1f}) | {ratio(p.get('vs_vllm'))} | {ratio(p.get('vs_vllm_logprobs'))} |")
-    return lines
+    cpu = [f"- {name}: {_named(dict(list(roles.items())[:5]), '.2f')}" for name, roles in (r.get("cpu_s_per_round") or {}).items() if name in _PER_REQUEST_PATHS]
+    return lines + _notes("CPU seconds per round by process (medians, the five largest; `other` is everything else on the machine):", cpu)
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
@@ -444,6 +445,9 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "coordinator_scale": coordinator_scale,
     "prefix_cache": prefix_cache,
     "per_request": per_request,
+    # The same benchmark with `http.front_door: haproxy` (--front-door haproxy), run apart:
+    # Serve's front door is the whole cluster's, so one run measures one.
+    "per_request_haproxy": per_request,
     "soak": soak,
 }
 
