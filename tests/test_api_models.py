@@ -84,3 +84,25 @@ def test_a_samples_versions_are_the_integers_publishes_return_not_vllms_labels()
     wire = sample.model_dump(mode="json")["weight_versions"]
     assert [(s["version"], s["adapter_version"]) for s in wire] == [(0, 2), (3, 2)]
     assert Sample.model_validate_json(sample.model_dump_json()) == sample
+
+
+def test_sampled_logprobs_read_vllms_flat_lists_as_its_dicts():
+    """The replica asks vLLM for flat logprobs (a constant number of objects a request);
+    read back, they are the sampled tokens' logprobs, as from vLLM's per-token dicts, also
+    when a position holds more entries than the sampled one and for a streamed delta."""
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+
+    from rollout.api import SamplingConfig
+    from rollout.engine.convert import sampled_logprobs, to_sampling_params
+
+    assert to_sampling_params(SamplingConfig(max_tokens=4), 1).flat_logprobs is True
+    steps = [([5, 9], [-0.5, -0.25], 3), ([7, 5], [-1.5, -0.125], 2), ([2, 7], [-2.0, -0.75], 1)]  # (token ids, logprobs, rank): sampled first
+    sampled = [ids[0] for ids, _, _ in steps]
+    for num_logprobs in (0, 1):
+        flat, dicts = create_sample_logprobs(True), create_sample_logprobs(False)
+        for ids, lps, rank in steps:
+            for container in (flat, dicts):
+                append_logprobs_for_next_position(container, ids[: num_logprobs + 1], lps[: num_logprobs + 1], [None] * 2, rank, num_logprobs)
+        assert sampled_logprobs(sampled, flat) == sampled_logprobs(sampled, dicts) == [-0.5, -1.5, -2.0]
+        assert sampled_logprobs(sampled[1:], flat[1:]) == [-1.5, -2.0]  # a delta, as vLLM slices it
+    assert sampled_logprobs(sampled, None) is None

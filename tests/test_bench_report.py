@@ -256,3 +256,24 @@ def test_the_delta_table_shows_bytes_and_time_of_every_path_from_the_json(tmp_pa
     assert "| 1% changed, as a delta | delta | 3.60 MB | 3.0% | 0.60 s (0.50-0.70) | **0.52x** (0.50-0.55) |" in text
     assert "| 10% changed, as a delta | delta | 36.00 MB | 30.0% | 0.90 s (0.80-1.00) | **0.81x** (0.78-0.90) |" in text
     assert "- 10% changed, as a delta: trainer.send 0.250" in text
+
+
+def test_the_per_request_table_shows_each_path_against_vllm_serve_from_the_benchs_own_summary(tmp_path):
+    from rollout.bench.per_request import summarize
+
+    rounds = {
+        "vllm": [{"requests_per_s": 100.0}, {"requests_per_s": 120.0}],
+        "vllm_logprobs": [{"requests_per_s": 90.0}, {"requests_per_s": 100.0}],
+        "completions": [{"requests_per_s": 80.0}, {"requests_per_s": 84.0}],
+        "rollouts": [{"requests_per_s": 45.0}, {"requests_per_s": 50.0}],
+    }
+    result = {
+        "benchmark": "per_request", "measure": "requests_per_s", "in_flight": 256, "prompt_tokens": 8, "max_tokens": 1, "requests_per_round": 512,
+        "rounds": 2, "order": "interleaved", "front_door": {"front_door": "haproxy", "throughput_optimized": False}, "enforce_eager": True,
+        "machine": {"cpus": 2, "cpu": "test cpu", "python": "3.11"}, "summary": summarize(rounds, "requests_per_s"),
+    }
+    text = rendered(tmp_path, "per_request", result)
+    assert "`http.front_door` haproxy, `http.throughput_optimized` False" in text
+    assert "| platform /v1/completions | 82.0 (80.0-84.0) | **0.75x** (0.70-0.80) |  |" in text
+    assert "| platform /v1/rollouts (sampled-token logprobs, the default) | 47.5 (45.0-50.0) | **0.43x** (0.42-0.45) | **0.50x** (0.50-0.50) |" in text
+    assert "logprobs: false" not in text  # a path the run did not measure has no row

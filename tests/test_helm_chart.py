@@ -923,3 +923,23 @@ def test_a_compile_cache_that_cannot_be_mounted_fails_naming_the_values(values, 
     with pytest.raises(helm.HelmError) as err:
         render_chart(values)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("http, want", [({}, ("0", "0")), ({"front_door": "haproxy", "throughput_optimized": True}, ("1", "1"))])
+def test_every_ray_container_runs_serve_with_the_configs_front_door(http, want):
+    """Serve reads its front door from each process's environment (rollout.http.front_door):
+    every Ray container (head, engine workers, tool workers) gets it from platform.http, the
+    same config the app's ingress checks it against."""
+    from rollout.config import load_config
+    from rollout.http.front_door import serve_env
+
+    values = {"platform": {"http": http}, "toolWorkers": {"enabled": True}}
+    objs = render(values)
+    pods = [o for o in kube.embedded_objects(rayservice(objs)) if o["kind"] == "Pod"]
+    assert len(pods) == 3, [p["metadata"]["name"] for p in pods]
+    expected = serve_env(load_config({"model": {"path": "/m"}, "http": http}, environ={}).http)
+    assert tuple(expected.values()) == want
+    for pod in pods:
+        for c in pod["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert {k: env.get(k) for k in expected} == expected, (pod["metadata"]["name"], c["name"])

@@ -135,6 +135,31 @@ async def test_an_openai_route_is_in_flight_until_its_body_is_sent_and_names_the
     assert headers["x-rollout-weight-version"] == "default" and headers["x-rollout-replica"] == "r" and "content-length" not in headers
 
 
+async def test_an_openai_request_that_does_not_stream_is_one_answer_of_the_same_parts():
+    """The ingress sends a request whose body does not ask to stream as one Serve call
+    (openai_http_unary): the same start and body as the stream of parts, the body whole."""
+    from rollout.engine.openai_app import routing_hint
+
+    r = replica()
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        for piece in (b'{"a"', b": 1}"):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    r.openai_app = app
+    request = ForwardedRequest("POST", "/v1/completions", "", (), b'{"prompt": [1, 2]}')
+    start, body = await r.openai_http_unary({}, request)
+    streamed = [p async for p in r.openai_http({}, request)]
+    assert start == streamed[0] and body == b'{"a": 1}' == b"".join(streamed[1:])
+    assert r.admission.inflight.count == 0
+    # What the ingress decides it by: the body's own "stream", parsed with the routing hint.
+    assert routing_hint("/v1/completions", b'{"prompt": [1, 2], "stream": true}', "s") == ({"session_id": "s", "prompt_token_ids": [1, 2]}, True)
+    for body in (b'{"prompt": "x"}', b'{"prompt": "x", "stream": false}', b"not json", b"", b"[1]"):
+        assert routing_hint("/v1/completions", body, None)[1] is False, body
+
+
 async def test_an_openai_request_naming_an_adapter_committed_but_not_loaded_here_is_refused_retryably_before_the_app():
     from rollout.sync.adapters import ServedAdapters
 

@@ -24,6 +24,9 @@ def _serve(args: argparse.Namespace) -> int:
     if refused:
         print(f"rollout serve: {cfg.app_name!r} cannot start: {refused}", file=sys.stderr, flush=True)
         return 1
+    from rollout.http.front_door import prepare
+
+    prepare(cfg.http)  # a cluster started here inherits Serve's switches (one joined has its own)
     # A cluster this command starts ends with it; one it joins keeps running.
     own_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
     if own_cluster:
@@ -262,7 +265,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from rollout.bench import BENCHMARKS, run_benchmarks
 
-    return run_benchmarks(Path(args.model), Path(args.out), tuple(args.only) if args.only else BENCHMARKS)
+    return run_benchmarks(Path(args.model), Path(args.out), tuple(args.only) if args.only else BENCHMARKS, quick=args.quick)
 
 
 def _bench_report(args: argparse.Namespace) -> int:
@@ -383,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--model", default="build/model")
     bench.add_argument("--out", default="build/bench")
     bench.add_argument("--only", nargs="*", help=f"run only these benchmarks ({', '.join(BENCHMARKS)})")
+    bench.add_argument("--quick", action="store_true", help="the quick size where a benchmark has one (per_request: a few minutes)")
     bench.set_defaults(func=_bench)
     sk = sub.add_parser("soak", help="mixed load with weight publishes and injected faults on a local platform; a JSON report")
     sk.add_argument("--model", default="build/model")

@@ -289,6 +289,17 @@ class HttpConfig(_Section):
         le=1 << 31,
         description="Largest request body the ingress reads; larger ones get 413 before they are parsed, [1 KiB, 2 GiB].",
     )
+    front_door: Literal["serve_proxy", "haproxy"] = Field(
+        default="serve_proxy",
+        description="What listens on `port`: `serve_proxy`, Serve's Python proxy actor, which hands each request to the ingress replica; "
+        "`haproxy`, HAProxy (Serve's `RAY_SERVE_ENABLE_HA_PROXY`), which forwards connections to the ingress replica serving HTTP itself: "
+        "no Python hop before the ingress. Set in every Ray process's environment (`rollout serve` and the Helm chart do).",
+    )
+    throughput_optimized: bool = Field(
+        default=False,
+        description="Serve's `RAY_SERVE_THROUGHPUT_OPTIMIZED`: calls between deployments over gRPC, user code and request routers on each "
+        "replica's main event loop, the garbage collector frozen after start-up. Set like `front_door`.",
+    )
 
     def resolve_api_key(self) -> Optional[str]:
         """The API key, from the environment or the key file; ``None`` when open."""

@@ -69,6 +69,13 @@ def local_platform(cfg: PlatformConfig, num_cpus: int = 8, quiet: bool = False) 
         # Read once, as Ray is imported: set later, the driver and the cluster would disagree.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
+
+    if not ray.is_initialized():
+        from rollout.http.front_door import prepare
+
+        # Serve's switches, in the environment the cluster's processes inherit; before Serve
+        # is imported here, which reads them once.
+        prepare(cfg.http)
     from ray import serve
 
     from rollout.app import deploy

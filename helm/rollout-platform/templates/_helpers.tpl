@@ -157,6 +157,14 @@ one, _validate.tpl has already failed unless auth.required is false. */}}
   value: /tmp/home
 - name: XDG_CACHE_HOME
   value: /tmp/cache
+{{- /* Serve's front door (rollout.http.front_door): Serve reads it from every Ray process's
+environment, so it is the pods', from the same config the app gets; the ingress refuses to
+start where they disagree. */}}
+{{- $http := (.Values.platform | default dict).http | default dict }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" (eq ($http.front_door | default "serve_proxy") "haproxy") | quote }}
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: {{ ternary "1" "0" ($http.throughput_optimized | default false) | quote }}
 {{- end -}}
 
 {{/* Env of the head and engine worker containers: secrets by reference, writable dirs under

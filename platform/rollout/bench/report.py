@@ -399,6 +399,41 @@ def coordinator_scale(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+_PER_REQUEST_PATHS = {
+    "vllm": "`vllm serve` /v1/completions",
+    "vllm_logprobs": "`vllm serve` /v1/completions, `logprobs: 0`",
+    "completions": "platform /v1/completions",
+    "rollouts": "platform /v1/rollouts (sampled-token logprobs, the default)",
+    "rollouts_no_logprobs": "platform /v1/rollouts, `logprobs: false`",
+}
+
+
+def per_request(r: dict[str, Any]) -> list[str]:
+    key = r["measure"]
+    unit = "req/s" if key == "requests_per_s" else "tok/s"
+    door = r.get("front_door") or {}
+    lines = [
+        f"**per_request** (one request an HTTP call, {r['in_flight']} in flight, {r['prompt_tokens']}-token prompts, {r['max_tokens']} output "
+        f"token{'s' if r['max_tokens'] > 1 else ''}, {r['requests_per_round']} requests a path a round, {r['rounds']} rounds, {r['order']}; "
+        f"the platform's `http.front_door` {door.get('front_door', '?')}, `http.throughput_optimized` {door.get('throughput_optimized', '?')}; "
+        f"{'eager engines; ' if r.get('enforce_eager') else ''}{_machine(r)}). The per-call cost, with the engine's share kept small. "
+        "Ratios are paired round by round (90% interval).",
+        *_table_head("path", f"{unit} (range)", "/ vllm serve", "/ vllm serve with logprobs"),
+    ]
+    for name, label in _PER_REQUEST_PATHS.items():
+        p = r["summary"].get(name)
+        if p is None:
+            continue
+        lo, hi = p["range"]
+
+        def ratio(m: dict[str, Any] | None) -> str:
+            return _bold_with_interval(m["median"], m["interval_90"]) if m else ""
+
+        lines.append(f"| {label} | {p[key]:,.1f} ({lo:,.1f}-{hi:,.1f}) | {ratio(p.get('vs_vllm'))} | {ratio(p.get('vs_vllm_logprobs'))} |")
+    cpu = [f"- {name}: {_named(dict(list(roles.items())[:5]), '.2f')}" for name, roles in (r.get("cpu_s_per_round") or {}).items() if name in _PER_REQUEST_PATHS]
+    return lines + _notes("CPU seconds per round by process (medians, the five largest; `other` is everything else on the machine):", cpu)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_throughput": engine_throughput,
     "weight_sync": weight_sync,
@@ -409,6 +444,10 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "hosts_publish": hosts_publish,
     "coordinator_scale": coordinator_scale,
     "prefix_cache": prefix_cache,
+    "per_request": per_request,
+    # The same benchmark with `http.front_door: haproxy` (--front-door haproxy), run apart:
+    # Serve's front door is the whole cluster's, so one run measures one.
+    "per_request_haproxy": per_request,
     "soak": soak,
 }
 

@@ -161,6 +161,21 @@ class HandleTransport:
             return start, rest()
         raise AssertionError("unreachable")
 
+    async def openai_unary(self, hint: dict, request: ForwardedRequest) -> tuple[dict, bytes]:
+        """:meth:`openai` for a request that does not stream: the answer's start and its
+        whole body in one Serve call (a stream costs a call's worth of work per item at
+        both ends). Retried once elsewhere as :meth:`openai` is."""
+        avoid = None
+        for attempt in (1, 2):
+            try:
+                return await self._handle.openai_http_unary.remote(hint, request, avoid_replica=avoid)
+            except Exception as e:
+                if attempt == 1 and replica_lost(e):
+                    avoid = self._retrying(f"{request.method} {request.path}", e)
+                    continue
+                raise self._typed(e) from None
+        raise AssertionError("unreachable")
+
     # ---- sleep and wake: through the coordinator, over every replica -----------------------
 
     async def _drive(self, command: RouteCommand, token: Optional[str]) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from vllm import SamplingParams
+from vllm.logprobs import FlatLogprobs
 from vllm.sampling_params import RequestOutputKind
 
 from rollout.api import RolloutChunk, RoutedExperts, Sample, SamplingConfig, StructuredOutputs, WeightVersionSpan
@@ -60,14 +61,28 @@ def _sampling_params(cfg: SamplingConfig, n: int, stream: bool, constraint: Any,
         skip_special_tokens=skip_special_tokens,
         # 0 asks vLLM for the logprob of the sampled token only: what a policy gradient needs.
         logprobs=0 if cfg.logprobs else None,
+        # Kept in flat lists (vLLM's FlatLogprobs) rather than a dict and a Logprob object
+        # per token: a constant number of objects a request, read back as a slice
+        # (sampled_logprobs). `vllm serve` has no such option (its API returns dicts).
+        flat_logprobs=True,
         # Unary calls only need the final output; per-step outputs would cost CPU for nothing.
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
 
 
 def sampled_logprobs(token_ids: list[int], logprobs: Any) -> Optional[list[float]]:
+    """The sampled tokens' logprobs, in token order.
+
+    vLLM puts the sampled token first at every position. Asked for it alone (``logprobs=0``,
+    :func:`to_sampling_params`) in flat form, each position holds one entry, and the list is
+    vLLM's own, as it stands; a position with more (top-k asked for elsewhere, or the
+    per-position dicts of a non-flat output) is read position by position."""
     if logprobs is None:
         return None
+    if isinstance(logprobs, FlatLogprobs):
+        if len(logprobs.logprobs) == len(token_ids) == len(logprobs.start_indices):
+            return logprobs.logprobs
+        return [logprobs.logprobs[start] for start in logprobs.start_indices[: len(token_ids)]]
     return [float(step[tid].logprob) for tid, step in zip(token_ids, logprobs)]
 
 

@@ -221,17 +221,18 @@ def requested_model(body: bytes) -> Optional[str]:
     return model if isinstance(model, str) else None
 
 
-def routing_hint(path: str, body: bytes, session_id: Optional[str]) -> dict:
-    """What the affinity router keys on: the session header, else the prompt's prefix."""
+def routing_hint(path: str, body: bytes, session_id: Optional[str]) -> tuple[dict, bool]:
+    """What the affinity router keys on (the session header, else the prompt's prefix), and
+    whether the answer streams (the body asks ``"stream": true``): parsed once, here."""
     import json
 
     hint: dict[str, Any] = {"session_id": session_id}
     try:
         payload = json.loads(body) if body else {}
     except ValueError:
-        return hint
+        return hint, False
     if not isinstance(payload, dict):
-        return hint
+        return hint, False
     prompt = payload.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         hint["prompt_token_ids"] = prompt
@@ -241,4 +242,6 @@ def routing_hint(path: str, body: bytes, session_id: Optional[str]) -> dict:
         hint["messages"] = payload["messages"]
     elif isinstance(payload.get("token_ids"), list):
         hint["prompt_token_ids"] = payload["token_ids"]
-    return hint
+    # vLLM's app decides how it answers; a body it refuses (stream not a bool) gets its
+    # error either way, and an error is never a stream.
+    return hint, payload.get("stream") is True

@@ -346,6 +346,21 @@ class RolloutEngine:
                     first = False
                     yield part
 
+    async def openai_http_unary(self, route_hint: dict, request: Any, avoid_replica: Optional[str] = None) -> tuple[dict, bytes]:
+        """:meth:`openai_http` as one answer, ``({"status", "headers"}, body)``: for a request
+        that does not stream, one Serve call rather than a stream of them (each of its items
+        a call's worth of work at both ends: issue 41)."""
+        start: Optional[dict] = None
+        body: list[bytes] = []
+        async with contextlib.aclosing(self.openai_http(route_hint, request)) as parts:
+            async for part in parts:
+                if start is None:
+                    start = part
+                else:
+                    body.append(part)
+        assert start is not None, "openai_http ended without a response start"
+        return start, b"".join(body)
+
     # ---- episodes ---------------------------------------------------------------
 
     async def start_episode(self, start: Any) -> EpisodeStarted:

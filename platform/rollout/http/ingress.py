@@ -7,7 +7,7 @@ from typing import Annotated, Any, AsyncIterator, Optional
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from ray import serve
 
@@ -21,6 +21,7 @@ from rollout.engine.deaths import EngineDeath, crash_loop
 from rollout.engine.deaths import read as read_deaths
 from rollout.errors import EngineUnavailableError, InvalidRequestError, RolloutError, loc_to_field
 from rollout.logs import show_platform_logs
+from rollout.http.front_door import check_serving_process
 from rollout.engine.openai_app import ForwardedRequest, routing_hint
 from rollout.sync.auth import SYNC_TOKEN_HEADER, AccessPolicy, Operation, SyncAuth
 from rollout.sync.coordinator_client import CoordinatorHandle
@@ -82,12 +83,13 @@ for _error_type in wire.raised_types():
     app.add_exception_handler(_error_type, _on_platform_error)
 
 
-def require_key(request: Request) -> None:
-    """The API key (rollout.sync.auth.Operation.SERVE)."""
+async def require_key(request: Request) -> None:
+    """The API key (rollout.sync.auth.Operation.SERVE). ``async``, so that FastAPI runs it
+    on the event loop, not in its thread pool (``refuse_undocumented_query`` says why)."""
     admit(Operation.SERVE, request)
 
 
-def publish_credential(request: Request) -> Optional[str]:
+async def publish_credential(request: Request) -> Optional[str]:
     """The API key, then the sync credential to hand the coordinator (Operation.PUBLISH)."""
     return admit(Operation.PUBLISH, request)
 
@@ -113,6 +115,8 @@ class HttpIngress(VllmRlRoutes):
     def __init__(self, engine_handle, config: dict[str, Any], coordinator_handle=None):
         show_platform_logs()
         self.config = PlatformConfig.model_validate(config)
+        # Serve's front door is the cluster's (its processes' environment), not this app's.
+        check_serving_process(self.config.http)
         self.engine = HandleTransport(engine_handle, self.config.deployment.client_batch_size)
         self.coordinator = CoordinatorHandle(coordinator_handle) if coordinator_handle is not None else None
         self.model_name = self.config.model.name
@@ -207,9 +211,13 @@ class HttpIngress(VllmRlRoutes):
         # Our credentials stay here: the replica's vLLM server runs without a key of its own.
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in ("authorization", "host", SYNC_TOKEN_HEADER.lower()))
         forwarded = ForwardedRequest(request.method, path, request.url.query, headers, body)
-        hint = routing_hint(path, body, request.headers.get(SESSION_HEADER))
+        hint, streams = routing_hint(path, body, request.headers.get(SESSION_HEADER))
         # Retried once on another replica when the first refused it before answering, as
         # the token routes are (HandleTransport).
+        if not streams:
+            # One Serve call for the whole answer: a stream costs a call's worth of work per item.
+            start, content = await self.engine.openai_unary(hint, forwarded)
+            return Response(content, status_code=start["status"], headers=dict(start["headers"]))
         start, rest = await self.engine.openai(hint, forwarded)
         return StreamingResponse(rest, status_code=start["status"], headers=dict(start["headers"]))
 
