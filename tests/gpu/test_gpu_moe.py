@@ -321,6 +321,74 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> str:
 # ---- the checks --------------------------------------------------------------------------
 
 
+def test_an_fp8_replica_takes_a_bf16_publish_and_serves_like_a_fresh_fp8_engine_on_those_weights(cluster, record):
+    from rollout.api import RolloutRequest, SamplingConfig
+    from rollout.client import RolloutClient
+    from rollout.sync import WeightPublisher
+
+    if not (MODEL / "model.safetensors").exists():
+        pytest.skip(f"the 1.5B model is not built at {MODEL} (check.sh's `models` step builds it)")
+    # The trained policy: the model's BF16 weights perturbed (seeded), as a checkpoint too.
+    tensors = load_tensors(MODEL)
+    g = torch.Generator().manual_seed(4242)
+    for t in tensors.values():
+        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+        t.add_((noise * (0.3 * float(t.float().std()) + 1e-3)).to(t.dtype))
+    policy = save_like(tensors, MODEL, WORK / "checkpoint-fp8-policy")
+
+    cfg = platform_cfg("gpu-fp8", MODEL, quantization="fp8")
+    deploy_s = deploy_within(cfg)
+    handle = RolloutClient.connect(app_name=cfg.app_name)
+    try:
+        prompts = [greedy_request(p, routed=False, max_tokens=32) for p in PROMPTS]
+        before = [handle.generate_sync([r])[0].samples[0].token_ids for r in prompts]
+        pub = WeightPublisher.connect(app_name=cfg.app_name, backend="gloo")
+        try:
+            t0 = time.perf_counter()
+            version = pub.publish(tensors, checkpoint=str(policy))
+            publish_s = time.perf_counter() - t0
+        finally:
+            pub.close()
+        del tensors
+        results = [handle.generate_sync([r])[0] for r in prompts]
+        got = [r.samples[0].token_ids for r in results]
+        assert got != before, "the publish changed nothing the FP8 replica serves"
+        for r in results:
+            s = r.samples[0]
+            assert {sp.version for sp in s.weight_versions} == {version}
+            assert s.logprobs is not None and len(s.logprobs) == len(s.token_ids) and all(np.isfinite(s.logprobs)), "the trainer's importance correction needs every logprob"
+
+        fp8_ref, fp8_start_s = start_reference(cfg.model.model_copy(update={"path": str(policy)}).model_dump(mode="json"))
+        try:
+            want = within(REQUEST_S * len(prompts), "the fresh FP8 engine's requests", fp8_ref.generate.remote(prompts))
+            mismatch = next((f"prompt {i}: {a} vs {b}" for i, (a, b) in enumerate(zip(got, want)) if a != b), "equal")
+            record(replica_start_s=round(deploy_s, 1), publish_s=round(publish_s, 2), version=version, fp8_reference_start_s=round(fp8_start_s, 1), greedy=mismatch)
+            assert got == want, f"the FP8 replica after a BF16 publish vs a fresh FP8 engine on the same BF16 weights: {mismatch}"
+
+            batch = [RolloutRequest(prompt_token_ids=[10 + (i * 7 + j) % 1000 for j in range(16)], sampling=SamplingConfig(max_tokens=THROUGHPUT_TOKENS, temperature=1.0, ignore_eos=True)) for i in range(THROUGHPUT_REQUESTS)]
+            t0 = time.perf_counter()
+            out = handle.generate_sync(batch)
+            replica_tps = sum(len(r.samples[0].token_ids) for r in out) / (time.perf_counter() - t0)
+            n, s = within(REQUEST_S, "the fresh FP8 engine's throughput round", fp8_ref.timed.remote(batch))
+            fp8_tps = n / s
+        finally:
+            stop(fp8_ref)
+        bf16_ref, _ = start_reference(cfg.model.model_copy(update={"path": str(policy), "quantization": None}).model_dump(mode="json"))
+        try:
+            n, s = within(REQUEST_S, "the BF16 engine's throughput round", bf16_ref.timed.remote(batch))
+            bf16_tps = n / s
+        finally:
+            stop(bf16_ref)
+        record(
+            concurrency=THROUGHPUT_REQUESTS,
+            fp8_replica_tokens_per_s=round(replica_tps), fp8_engine_tokens_per_s=round(fp8_tps), bf16_engine_tokens_per_s=round(bf16_tps),
+            fp8_vs_bf16=round(replica_tps / bf16_tps, 3), note="eager on both sides (no CUDA graphs): the ratio of kernels, not of a tuned deployment",
+        )
+    finally:
+        remove_app(cfg.app_name)
+
+
+# Last: its engine (vLLM's V2 model runner on a MoE model) is the likeliest to stall at start.
 def test_routed_experts_equal_a_fresh_engines_and_teacher_forcing_and_follow_a_published_router(cluster, moe_model, record):
     from rollout.client import RolloutClient
     from rollout.sync import WeightPublisher
@@ -425,71 +493,4 @@ def test_routed_experts_equal_a_fresh_engines_and_teacher_forcing_and_follow_a_p
         if teacher is not None:
             teacher.close()
         stop(reference)
-        remove_app(cfg.app_name)
-
-
-def test_an_fp8_replica_takes_a_bf16_publish_and_serves_like_a_fresh_fp8_engine_on_those_weights(cluster, record):
-    from rollout.api import RolloutRequest, SamplingConfig
-    from rollout.client import RolloutClient
-    from rollout.sync import WeightPublisher
-
-    if not (MODEL / "model.safetensors").exists():
-        pytest.skip(f"the 1.5B model is not built at {MODEL} (check.sh's `models` step builds it)")
-    # The trained policy: the model's BF16 weights perturbed (seeded), as a checkpoint too.
-    tensors = load_tensors(MODEL)
-    g = torch.Generator().manual_seed(4242)
-    for t in tensors.values():
-        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
-        t.add_((noise * (0.3 * float(t.float().std()) + 1e-3)).to(t.dtype))
-    policy = save_like(tensors, MODEL, WORK / "checkpoint-fp8-policy")
-
-    cfg = platform_cfg("gpu-fp8", MODEL, quantization="fp8")
-    deploy_s = deploy_within(cfg)
-    handle = RolloutClient.connect(app_name=cfg.app_name)
-    try:
-        prompts = [greedy_request(p, routed=False, max_tokens=32) for p in PROMPTS]
-        before = [handle.generate_sync([r])[0].samples[0].token_ids for r in prompts]
-        pub = WeightPublisher.connect(app_name=cfg.app_name, backend="gloo")
-        try:
-            t0 = time.perf_counter()
-            version = pub.publish(tensors, checkpoint=str(policy))
-            publish_s = time.perf_counter() - t0
-        finally:
-            pub.close()
-        del tensors
-        results = [handle.generate_sync([r])[0] for r in prompts]
-        got = [r.samples[0].token_ids for r in results]
-        assert got != before, "the publish changed nothing the FP8 replica serves"
-        for r in results:
-            s = r.samples[0]
-            assert {sp.version for sp in s.weight_versions} == {version}
-            assert s.logprobs is not None and len(s.logprobs) == len(s.token_ids) and all(np.isfinite(s.logprobs)), "the trainer's importance correction needs every logprob"
-
-        fp8_ref, fp8_start_s = start_reference(cfg.model.model_copy(update={"path": str(policy)}).model_dump(mode="json"))
-        try:
-            want = within(REQUEST_S * len(prompts), "the fresh FP8 engine's requests", fp8_ref.generate.remote(prompts))
-            mismatch = next((f"prompt {i}: {a} vs {b}" for i, (a, b) in enumerate(zip(got, want)) if a != b), "equal")
-            record(replica_start_s=round(deploy_s, 1), publish_s=round(publish_s, 2), version=version, fp8_reference_start_s=round(fp8_start_s, 1), greedy=mismatch)
-            assert got == want, f"the FP8 replica after a BF16 publish vs a fresh FP8 engine on the same BF16 weights: {mismatch}"
-
-            batch = [RolloutRequest(prompt_token_ids=[10 + (i * 7 + j) % 1000 for j in range(16)], sampling=SamplingConfig(max_tokens=THROUGHPUT_TOKENS, temperature=1.0, ignore_eos=True)) for i in range(THROUGHPUT_REQUESTS)]
-            t0 = time.perf_counter()
-            out = handle.generate_sync(batch)
-            replica_tps = sum(len(r.samples[0].token_ids) for r in out) / (time.perf_counter() - t0)
-            n, s = within(REQUEST_S, "the fresh FP8 engine's throughput round", fp8_ref.timed.remote(batch))
-            fp8_tps = n / s
-        finally:
-            stop(fp8_ref)
-        bf16_ref, _ = start_reference(cfg.model.model_copy(update={"path": str(policy), "quantization": None}).model_dump(mode="json"))
-        try:
-            n, s = within(REQUEST_S, "the BF16 engine's throughput round", bf16_ref.timed.remote(batch))
-            bf16_tps = n / s
-        finally:
-            stop(bf16_ref)
-        record(
-            concurrency=THROUGHPUT_REQUESTS,
-            fp8_replica_tokens_per_s=round(replica_tps), fp8_engine_tokens_per_s=round(fp8_tps), bf16_engine_tokens_per_s=round(bf16_tps),
-            fp8_vs_bf16=round(replica_tps / bf16_tps, 3), note="eager on both sides (no CUDA graphs): the ratio of kernels, not of a tuned deployment",
-        )
-    finally:
         remove_app(cfg.app_name)
