@@ -243,6 +243,21 @@ _coldstart = _filled(
 )
 
 
+def _sleep(m: dict[str, Any]) -> str:
+    """Issue 42: each sleep level's memory, times and greedy output after the wake."""
+    levels = []
+    for level in ("level1", "level2"):
+        x = m.get(level) or {}
+        if x:
+            wake = x.get("wake_s", None)
+            wake = f"wake {wake} s" if wake is not None else f"wake weights {x.get('wake_weights_s')} s (the committed version reloaded) + KV cache {x.get('wake_kv_cache_s')} s"
+            levels.append(
+                f"{level.replace('level', 'level ')}: freed {x.get('freed_gib')} GiB ({x.get('freed_share_of_budget')} of the engine's budget), "
+                f"sleep {x.get('sleep_s')} s, {wake}, greedy {x.get('greedy')}"
+            )
+    return "; ".join(levels)
+
+
 # Test name -> (what it shows, how to summarise its numbers). Unknown tests still appear.
 CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_serving_on_gpu_equals_a_fresh_vllm_engine_and_keeps_its_throughput": (
@@ -312,6 +327,10 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_coldstart_rollout_serve_against_vllm_serve_cold_and_warm": (
         "17. Cold start: `rollout serve` against bare `vllm serve`, cold against cold and warm on the same caches (one GPU)",
         _coldstart,
+    ),
+    "test_sleep_levels_free_the_replicas_gpu_memory_and_wake_to_the_same_greedy_output": (
+        "18. Sleep and wake over the fleet: each level frees the replica's GPU memory and wakes to the same greedy output (one GPU)",
+        _sleep,
     ),
 }
 
