@@ -1,7 +1,8 @@
 """What the receiving engines that replay a :class:`~rollout.sync.backends.direct_plan.DirectPlan`
 share (``nccl_worker``'s and ``ipc_worker``'s): whether a round may go direct at all, the
 plan for a round's names (baked once, re-baked when the names or the live tensors change),
-and the one warning per reason a round takes vLLM's own path instead.
+the one warning per reason a round takes vLLM's own path instead, and how a round ends
+(finished only where it took vLLM's path, a failed one finalized so no layer stays on meta).
 
 A mix-in for a vLLM ``WeightTransferEngine`` subclass: it reads the engine's
 ``vllm_config``, ``parallel_config``, ``model``, ``device``; vLLM is imported only where a
@@ -46,6 +47,34 @@ class DirectReceiver:
         if self.model is not self._default_model:
             return "a draft-model update"
         return None
+
+    # ---- a round's end, the same for every direct engine ----------------------------------
+
+    def update_weights(self, update_info: dict) -> None:
+        try:
+            super().update_weights(update_info)  # vLLM's engine: parse, receive, synchronize
+        except BaseException:
+            if self._mode == VLLM:
+                # vLLM's worker ends a failed session without finishing it, which would
+                # leave layers on meta (and the next start_weight_update fails). Finalizing
+                # materializes them again; the replica stays paused until a restore round.
+                self._finish()
+            self._mode = None
+            raise
+
+    def finish_weight_update(self) -> None:
+        # Direct: nothing to finish. The copies landed in the live storage (update_weights
+        # synchronized), no layer left it, and nothing vLLM's finalize runs applies to an
+        # unquantized model's weights: attention's process_weights_after_loading only sets
+        # default k/v scales (untouched by the copies), and linear layers process nothing
+        # on CUDA (CPU repacking is why CPU never goes direct).
+        if self._mode == VLLM:
+            self._finish()
+        self._mode = None
+
+    def _finish(self) -> None:
+        self._mode = None
+        super().finish_weight_update()
 
     def _fall_back(self, reason: str) -> None:
         if reason not in self._logged:

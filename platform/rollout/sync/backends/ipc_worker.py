@@ -133,26 +133,6 @@ class DirectIpcWeightTransferEngine(DirectReceiver, IPCWeightTransferEngine):
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         return str(torch.cuda.get_device_properties(index).uuid), index
 
-    def update_weights(self, update_info: dict) -> None:
-        try:
-            super().update_weights(update_info)  # parse, receive, synchronize
-        except BaseException:
-            if self._mode == VLLM:
-                # As nccl_worker: finalizing materializes the layers the reload put on meta.
-                self._finish()
-            self._mode = None
-            raise
-
-    def finish_weight_update(self) -> None:
-        # Direct: nothing to finish (see nccl_worker.finish_weight_update).
-        if self._mode == VLLM:
-            self._finish()
-        self._mode = None
-
-    def _finish(self) -> None:
-        self._mode = None
-        super().finish_weight_update()
-
     def shutdown(self) -> None:
         self._held.release()
         super().shutdown()

@@ -100,29 +100,3 @@ class DirectNcclWeightTransferEngine(DirectReceiver, NCCLWeightTransferEngine):
             num_buffers=self.packed_num_buffers,
             device=self.device,
         )
-
-    def update_weights(self, update_info: dict) -> None:
-        try:
-            super().update_weights(update_info)  # parse, receive, synchronize
-        except BaseException:
-            if self._mode == VLLM:
-                # vLLM's worker ends a failed session without finishing it, which would
-                # leave layers on meta (and the next start_weight_update fails). Finalizing
-                # materializes them again; the replica stays paused until a restore round.
-                self._finish()
-            self._mode = None
-            raise
-
-    def finish_weight_update(self) -> None:
-        # Direct: nothing to finish. The copies landed in the live storage (update_weights
-        # synchronized), no layer left it, and nothing vLLM's finalize runs applies to an
-        # unquantized model's weights: attention's process_weights_after_loading only sets
-        # default k/v scales (untouched by the copies), and linear layers process nothing
-        # on CUDA (CPU repacking is why CPU never goes direct).
-        if self._mode == VLLM:
-            self._finish()
-        self._mode = None
-
-    def _finish(self) -> None:
-        self._mode = None
-        super().finish_weight_update()
