@@ -229,7 +229,8 @@ _routed = _filled(
     "rolled-router publish {publish_s} s, then {prompts_whose_experts_changed} prompts' experts changed, equal to a fresh engine's"
 )
 _fp8 = _filled(
-    "replica start {replica_start_s} s; BF16 publish {publish_s} s; greedy vs a fresh FP8 engine on the same weights: {greedy}; "
+    "replica start {replica_start_s} s; BF16 publish {publish_s} s; greedy vs a fresh FP8 engine on the same weights: {greedy} "
+    "({equal_prompts} of {prompts} prompts equal, largest logprob deviation {largest_logprob_deviation}, parted {parted}; lp_tol {lp_tol}, tie_tol {tie_tol}); "
     "tok/s at {concurrency} (eager): FP8 replica {fp8_replica_tokens_per_s}, FP8 engine {fp8_engine_tokens_per_s}, BF16 engine {bf16_engine_tokens_per_s} "
     "(FP8 replica / BF16 {fp8_vs_bf16})"
 )

@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gpu.compare import LP_TOL, TIE_TOL, judge
 from tests.gpu.machine import MODEL, WORK, gpu_cluster, needs_gpus
 
 pytestmark = needs_gpus(1)
@@ -47,6 +48,7 @@ PROMPTS = [[5, 17, 42, 99, 3], [100, 200, 300], [7] * 40, list(range(10, 74)), [
 # Deadlines: an engine start (eager, 1 GPU) takes about a minute; a deploy a little more.
 START_S = 420
 REQUEST_S = 120
+FP8_TOP_LOGPROBS = 5  # the reference's top-k at each position, for compare.judge (as check 12's)
 # The whole module, past which faulthandler dumps the driver's stacks and exits (check.sh's
 # own timeout would kill it without a word).
 HARD_LIMIT_S = 1500
@@ -360,10 +362,22 @@ def test_an_fp8_replica_takes_a_bf16_publish_and_serves_like_a_fresh_fp8_engine_
 
         fp8_ref, fp8_start_s = start_reference(cfg.model.model_copy(update={"path": str(policy)}).model_dump(mode="json"))
         try:
-            want = within(REQUEST_S * len(prompts), "the fresh FP8 engine's requests", fp8_ref.generate.remote(prompts))
-            mismatch = next((f"prompt {i}: {a} vs {b}" for i, (a, b) in enumerate(zip(got, want)) if a != b), "equal")
-            record(replica_start_s=round(deploy_s, 1), publish_s=round(publish_s, 2), version=version, fp8_reference_start_s=round(fp8_start_s, 1), greedy=mismatch)
-            assert got == want, f"the FP8 replica after a BF16 publish vs a fresh FP8 engine on the same BF16 weights: {mismatch}"
+            want = within(REQUEST_S * len(prompts), "the fresh FP8 engine's requests", fp8_ref.generate_with_logprobs.remote(prompts, FP8_TOP_LOGPROBS))
+            mismatch = next((f"prompt {i}: {a} vs {b}" for i, (a, (b, _)) in enumerate(zip(got, want)) if a != b), "equal")
+            # Judged as check 12 (LoRA) is, by vLLM's check_logprobs_close rule (tests/gpu/compare.py):
+            # the first run (b9f641b) saw 3 of 4 prompts equal and one part at its fifth token, which
+            # exact equality cannot tell from an FP8 near-tie of the random model. A replica that
+            # kept the old weights, or quantized the publish otherwise, moves logprobs by whole nats.
+            verdicts = [judge(r.samples[0].token_ids, r.samples[0].logprobs, want_ids, want_top) for r, (want_ids, want_top) in zip(results, want)]
+            record(
+                replica_start_s=round(deploy_s, 1), publish_s=round(publish_s, 2), version=version, fp8_reference_start_s=round(fp8_start_s, 1), greedy=mismatch,
+                equal_prompts=sum(v.equal for v in verdicts), prompts=len(verdicts), largest_logprob_deviation=round(max(v.max_deviation for v in verdicts), 4),
+                parted=[{"prompt": i, "position": v.position, "gap": v.gap, "deviation": v.deviation_at} for i, v in enumerate(verdicts) if not v.equal],
+                lp_tol=LP_TOL, tie_tol=TIE_TOL,
+            )
+            bad = [f"prompt {i}: {v.reason}" for i, v in enumerate(verdicts) if not v.ok]
+            assert not bad, f"the FP8 replica after a BF16 publish vs a fresh FP8 engine on the same BF16 weights: {bad}"
+            assert any(v.equal for v in verdicts), f"no prompt's greedy tokens equal the fresh FP8 engine's: {mismatch}"
 
             batch = [RolloutRequest(prompt_token_ids=[10 + (i * 7 + j) % 1000 for j in range(16)], sampling=SamplingConfig(max_tokens=THROUGHPUT_TOKENS, temperature=1.0, ignore_eos=True)) for i in range(THROUGHPUT_REQUESTS)]
             t0 = time.perf_counter()
