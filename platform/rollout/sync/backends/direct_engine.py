@@ -48,7 +48,23 @@ class DirectReceiver:
             return "a draft-model update"
         return None
 
-    # ---- a round's end, the same for every direct engine ----------------------------------
+    # ---- a round's start and end, the same for every direct engine -----------------------
+
+    def start_weight_update(self) -> None:
+        # The path is chosen at the round's first chunk (its names decide the plan); a round
+        # that cannot go direct starts vLLM's layerwise reload here, before any bytes.
+        reason = self._static_reason()
+        if reason is not None:
+            self._fall_back(reason)
+            self._start_vllm()
+        else:
+            self._mode = None
+
+    def _start_vllm(self) -> None:
+        """vLLM's own start (its layerwise reload) for a round that takes its path. Its
+        ``super()`` is the vLLM engine's, also when a subclass calls this from its receive."""
+        super().start_weight_update()
+        self._mode = VLLM
 
     def update_weights(self, update_info: dict) -> None:
         try:

@@ -78,16 +78,9 @@ class DirectIpcWeightTransferEngine(DirectReceiver, IPCWeightTransferEngine):
         self.phases: dict[str, float] = {}
 
     def start_weight_update(self) -> None:
-        # The path is chosen at the round's one update_weights (its names decide the plan).
         if self.packed:
             raise ValueError("the rollout IPC engine receives unpacked transfers only (IpcBackend's init info says packed=False)")
-        reason = self._static_reason()
-        if reason is not None:
-            self._fall_back(reason)
-            super().start_weight_update()
-            self._mode = VLLM
-        else:
-            self._mode = None
+        super().start_weight_update()  # DirectReceiver's: the path, at the round's one update_weights
 
     def receive_weights(self, update_info: DirectIpcUpdateInfo) -> None:
         import time
@@ -100,8 +93,7 @@ class DirectIpcWeightTransferEngine(DirectReceiver, IPCWeightTransferEngine):
                 plan = self._plan_for(update_info.names, update_info.dtype_names, update_info.shapes)
             except Ineligible as e:
                 self._fall_back(e.reason)
-                super().start_weight_update()  # nothing was written yet: vLLM's whole path
-                self._mode = VLLM
+                self._start_vllm()  # nothing was written yet: vLLM's whole path
             else:
                 self._mode = self.last_path = DIRECT
                 plan.apply_fills()

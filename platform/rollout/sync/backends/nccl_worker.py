@@ -49,17 +49,6 @@ class DirectNcclWeightTransferEngine(DirectReceiver, NCCLWeightTransferEngine):
 
     # ---- vLLM's engine interface ----------------------------------------------------
 
-    def start_weight_update(self) -> None:
-        # The path is chosen at the first chunk (its names decide the plan); a round
-        # that cannot go direct starts vLLM's layerwise reload there, before any bytes.
-        reason = self._static_reason()
-        if reason is not None:
-            self._fall_back(reason)
-            super().start_weight_update()
-            self._mode = VLLM
-        else:
-            self._mode = None
-
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
         if self.model_update_group is None:
             raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
@@ -77,8 +66,8 @@ class DirectNcclWeightTransferEngine(DirectReceiver, NCCLWeightTransferEngine):
                 self.last_path = "load_weights"
                 return self._receive(update_info, self.model.load_weights)
             self._fall_back(e.reason)
-            super().start_weight_update()
-            self._mode = self.last_path = VLLM
+            self._start_vllm()
+            self.last_path = VLLM
             return super().receive_weights(update_info)
         self._mode = self.last_path = DIRECT
         # Fills (vocab padding rows) touch no received bytes: once, before the copies.
