@@ -291,15 +291,22 @@ def test_a_replica_resolved_to_cpu_refuses_to_start_and_a_gpu_one_asks_vllm_for_
     plain = engine_kwargs(load_config({"model": {"path": "/m"}}, environ={}).model, "cuda")
     assert "enable_return_routed_experts" not in plain and "quantization" not in plain
 
-    monkeypatch.delenv(V2_RUNNER_ENV, raising=False)
-    prepare_engine_environment("cuda", cfg.model)
     import os
+    from unittest import mock
 
-    assert os.environ[V2_RUNNER_ENV] == "1", "vLLM returns routed experts only from its V2 model runner"
-    monkeypatch.setenv(V2_RUNNER_ENV, "0")
-    with pytest.raises(EngineStartError) as e:
+    # prepare_engine_environment writes os.environ itself (an engine's processes inherit it):
+    # the whole environment is restored after, or V2 leaks into later tests' CPU engines
+    # ("Model Runner V2 requires Triton").
+    before = os.environ.get(V2_RUNNER_ENV)
+    with mock.patch.dict(os.environ):
+        os.environ.pop(V2_RUNNER_ENV, None)
         prepare_engine_environment("cuda", cfg.model)
+        assert os.environ[V2_RUNNER_ENV] == "1", "vLLM returns routed experts only from its V2 model runner"
+        os.environ[V2_RUNNER_ENV] = "0"
+        with pytest.raises(EngineStartError) as e:
+            prepare_engine_environment("cuda", cfg.model)
     assert e.value.field == "model.return_routed_experts" and "VLLM_USE_V2_MODEL_RUNNER='0'" in str(e.value)
+    assert os.environ.get(V2_RUNNER_ENV) == before
 
 
 def test_vllm_serve_gets_the_same_settings_for_the_openai_routes():
