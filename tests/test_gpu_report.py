@@ -68,8 +68,24 @@ def test_checks_without_a_row_of_their_own_are_grouped_by_their_file():
         "test_a_direct_publish": {"file": "tests/gpu/test_gpu_direct.py", "outcome": "failed", "error": "AssertionError: slow", "metrics": {}},
     }
     text = render([({"started": "2026-11-28T09:00:00Z", "environment": ENV, "checks": checks}, "x.json")])
-    assert "| Trainer-side senders on a GPU (`tests/gpu/test_gpu_senders.py`) | 2 of 2 passed |  |" in text
-    assert "| Further GPU checks (`tests/gpu/test_gpu_direct.py`) | 0 of 1 passed | `test_a_direct_publish`: **failed**: AssertionError: slow |" in text
+    assert "| Trainer-side senders on a GPU (`tests/gpu/test_gpu_senders.py`) | 2 of 2 passed | vLLM 0.32.0: passed (`x.json`) |  |" in text
+    assert "| Further GPU checks (`tests/gpu/test_gpu_direct.py`) | 0 of 1 passed | vLLM 0.32.0: **not passed** (`x.json`) | `test_a_direct_publish`: **failed**: AssertionError: slow |" in text
+
+
+def test_each_row_says_per_vllm_version_whether_the_newest_run_of_that_version_passed_it():
+    sleep = "test_sleep_levels_free_the_replicas_gpu_memory_and_wake_to_the_same_greedy_output"
+    run = lambda started, vllm, outcome: {"started": started, "environment": {**ENV, "vllm": vllm}, "checks": {sleep: {"outcome": outcome, "metrics": {}}}}  # noqa: E731
+    runs = [
+        (run("2026-11-30T00:00:00Z", "0.33.0", "passed"), "docs/gpu/c.json"),
+        (run("2026-11-29T00:00:00Z", "0.32.0", "failed"), "docs/gpu/b.json"),
+        # An older pass on 0.32.0 does not outvote the newer failure on it.
+        (run("2026-11-28T00:00:00Z", "0.32.0", "passed"), "docs/gpu/a.json"),
+        (run("2026-11-27T00:00:00Z", "0.33.0", "not run"), "docs/gpu/d.json"),
+    ]
+    row = _row(render(runs), "18. Sleep and wake")
+    assert "| vLLM 0.33.0: passed (`c.json`)<br>vLLM 0.32.0: **not passed** (`b.json`) |" in row, row
+    never = [(run("2026-11-27T00:00:00Z", "0.33.0", "not run"), "d.json")]
+    assert "| not run yet |" in _row(render(never), "18. Sleep and wake")
 
 
 LORA = "test_a_lora_adapter_published_into_a_gpu_replica_serves_like_a_fresh_engine_with_it"
@@ -86,7 +102,7 @@ def test_the_lora_row_shows_per_version_equal_prompts_near_ties_and_deviations()
     metrics = {**LORA_HEAD, "top_logprobs": 5, "lp_tol": 0.1, "tie_tol": 0.2, "versions": {"1": version([tie]), "2": version([])}, "base": "equal"}
     row = _lora_row(metrics)
     parts = [
-        "| passed | rank 16, 168 tensors; replica start 40.1 s (eager); publish_adapter [0.5, 0.4] s; ",
+        "| passed | vLLM 0.32.0: passed (`x.json`) | rank 16, 168 tensors; replica start 40.1 s (eager); publish_adapter [0.5, 0.4] s; ",
         "against a fresh engine with the adapter (top-5 logprobs, lp_tol 0.1, tie_tol 0.2): ",
         "version 1: 7 of 8 prompts equal, near-ties: prompt 1 at token 4 (gap 0.012, deviation 0.02 before, 0.01 there), "
         "largest logprob deviation 0.03, accepted against the other version's reference 0; ",

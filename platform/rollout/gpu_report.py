@@ -360,13 +360,28 @@ def _header(results: dict[str, Any], source: str) -> str:
     )
 
 
+def _passed_on(runs: list[tuple[dict[str, Any], str]], names: list[str]) -> str:
+    """Per vLLM version, what the newest run of that version that ran any of ``names`` said:
+    passed (every one it ran) with its results file, or not. An older pass does not outvote a
+    newer failure on the same version."""
+    verdicts: dict[str, str] = {}
+    for results, source in runs:  # newest first
+        version = results["environment"].get("vllm") or "unknown"
+        ran = [results["checks"][n] for n in names if n in results["checks"] and results["checks"][n].get("outcome") not in ("not run", "skipped")]
+        if version in verdicts or not ran:
+            continue
+        passed = all(e.get("outcome") == "passed" for e in ran)
+        verdicts[version] = f"vLLM {version}: {'passed' if passed else '**not passed**'} (`{Path(source).name}`)"
+    return "<br>".join(v for _, v in sorted(verdicts.items(), reverse=True)) or "not run yet"
+
+
 def render(runs: list[tuple[dict[str, Any], str]]) -> str:
     """``runs``: (results, source) pairs, newest first."""
     (results, source), older = runs[0], runs[1:]
     checks = results["checks"]
     lines = [BEGIN, f"Newest run: {_header(results, source)}."]
     lines += [f"Earlier: {_header(r, s)}." for r, s in older]
-    lines += ["", "| check | outcome (newest run) | numbers |", "|---|---|---|"]
+    lines += ["", "| check | outcome (newest run) | passed on (the newest run per vLLM version) | numbers |", "|---|---|---|---|"]
     for name, (title, summary) in CHECKS.items():
         if name not in checks:
             continue
@@ -379,7 +394,7 @@ def render(runs: list[tuple[dict[str, Any], str]]) -> str:
             if passed is not None:
                 r, s = passed
                 cell += f"{'<br>' if cell else ''}Last passed {r['started'][:16].replace('T', ' ')} UTC (`{s}`): {summary(r['checks'][name].get('metrics') or {})}"
-        lines.append(f"| {title} | {_outcome(checks[name])} | {cell} |")
+        lines.append(f"| {title} | {_outcome(checks[name])} | {_passed_on(runs, [name])} | {cell} |")
     by_file: dict[str, dict[str, Any]] = {}
     for k, v in checks.items():
         if k not in CHECKS:
@@ -388,7 +403,7 @@ def render(runs: list[tuple[dict[str, Any], str]]) -> str:
         passed = sum(v.get("outcome") == "passed" for v in others.values())
         not_passed = [f"`{k}`: {_outcome(v)}" for k, v in others.items() if v.get("outcome") != "passed"]
         title = FILE_TITLES.get(file, f"Further GPU checks (`{file}`)")
-        lines.append(f"| {title} | {passed} of {len(others)} passed | {'; '.join(not_passed)} |")
+        lines.append(f"| {title} | {passed} of {len(others)} passed | {_passed_on(runs, list(others))} | {'; '.join(not_passed)} |")
     lines.append(END)
     return "\n".join(lines)
 
