@@ -19,7 +19,9 @@
 #                                     $ROLLOUT_GPU_WORK/out), rewritten after every test. Any subset
 #                                     runs on its own, e.g. `run 600 -k ipc` (the checks left out are
 #                                     recorded as not run, and why); `run 900 -k fleet` on four GPUs
-#                                     publishes into 1, 2 and 3 replicas (it skips with fewer)
+#                                     publishes into 1, 2 and 3 replicas (it skips with fewer);
+#                                     ROLLOUT_GPU_FILES="tests/gpu/a.py tests/gpu/b.py" runs those files
+#                                     in that order instead
 #
 # Where things are (override with the variables):
 #   VLLM_VERSION       the vLLM the overlay holds (default 0.32.0); the results record the installed one
@@ -151,11 +153,14 @@ run() {
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader > "$RESULTS_DIR/gpus.txt" 2>&1
     # The senders' tests (no Ray), then the platform's, then any other GPU test file, the MoE
     # and FP8 checks last (their engines are the likeliest to stall at start: see the file).
+    # ROLLOUT_GPU_FILES (space-separated test files) replaces that order, for a stay that must
+    # run the checks it cares most about first.
     local files=(tests/gpu/test_gpu_senders.py tests/gpu/test_gpu_platform.py) f
     for f in tests/gpu/test_gpu_*.py; do
         case " ${files[*]} tests/gpu/test_gpu_moe.py " in *" $f "*) ;; *) files+=("$f") ;; esac
     done
     files+=(tests/gpu/test_gpu_moe.py)
+    if [ -n "${ROLLOUT_GPU_FILES:-}" ]; then read -r -a files <<< "$ROLLOUT_GPU_FILES"; fi
     # The project's tests/ is imported from this tree (the engines' code ships to Ray workers by value).
     timeout "$budget" "$PY" -m pytest -p no:cacheprovider -v -rA --timeout 1200 -o addopts="" \
         "${files[@]}" "$@" 2>&1 | tee "$RESULTS_DIR/check.log"
