@@ -25,6 +25,7 @@ pytest.importorskip("jsonschema", reason="jsonschema not installed (test extra)"
 from tests import manifest_checks as kube  # noqa: E402
 from rollout.app import config_from_serve_app  # noqa: E402
 from rollout.helm_schema import SCHEMA_PATH, render_schema  # noqa: E402
+from rollout.engine.startup import COMPILE_CACHE_DIRS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "rollout-platform"
@@ -861,15 +862,7 @@ def test_ray_workers_run_at_the_platforms_niceness_on_the_head_and_engine_pods(c
 
 
 # Every cache an engine start fills (rollout.compileCacheEnv), by the directory under compileCache.mountPath.
-COMPILE_CACHE_ENV = {
-    "VLLM_CACHE_ROOT": "vllm",
-    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
-    "TRITON_CACHE_DIR": "triton",
-    "TORCHINDUCTOR_CACHE_DIR": "inductor",
-    "TORCH_EXTENSIONS_DIR": "torch_extensions",
-    "TVM_FFI_CACHE_DIR": "tvm-ffi",
-    "CUDA_CACHE_PATH": "cuda",
-}
+COMPILE_CACHE_ENV = COMPILE_CACHE_DIRS
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout.engine.startup import COMPILE_CACHE_DIRS
 from tests.gpu.machine import MODEL, WORK, needs_gpus
 
 pytestmark = needs_gpus(1)
@@ -51,15 +52,7 @@ GPU_MEMORY_UTILIZATION = 0.85
 VLLM_SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
 IDLE_BYTES = 4 << 30  # below this GPU 0 holds no engine (one takes GPU_MEMORY_UTILIZATION of it)
 # Every cache an engine start fills, as the chart's compileCache sets them (rollout.compileCacheEnv).
-CACHE_DIRS = {
-    "VLLM_CACHE_ROOT": "vllm",
-    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
-    "TRITON_CACHE_DIR": "triton",
-    "TORCHINDUCTOR_CACHE_DIR": "inductor",
-    "TORCH_EXTENSIONS_DIR": "torch_extensions",
-    "TVM_FFI_CACHE_DIR": "tvm-ffi",
-    "CUDA_CACHE_PATH": "cuda",
-}
+CACHE_DIRS = COMPILE_CACHE_DIRS
 
 
 def cache_env(root: Path) -> dict[str, str]:

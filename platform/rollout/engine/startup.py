@@ -22,6 +22,20 @@ from typing import Any, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
+# Every cache an engine start fills, by its variable and a directory under one root: the chart's
+# `compileCache` sets each to `<mountPath>/<dir>` (helm/.../_helpers.tpl, checked against this by
+# tests/test_helm_chart.py), so a replica that starts again, or a scale-out on the same volume,
+# starts warm. None of them is a factor of vLLM's compile-cache key.
+COMPILE_CACHE_DIRS = {
+    "VLLM_CACHE_ROOT": "vllm",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TORCH_EXTENSIONS_DIR": "torch_extensions",
+    "TVM_FFI_CACHE_DIR": "tvm-ffi",
+    "CUDA_CACHE_PATH": "cuda",
+}
+
 # The phases in the order a start runs them (a phase a start skips is not reported).
 PHASES = ("process", "import", "setup", "config", "engine", "tokenizer", "tools", "sync", "openai")
 
