@@ -25,6 +25,8 @@ def test_random_prompts_are_the_same_for_a_seed_and_differ_between_batches():
     assert [len(p) for p in a] == [128] * 4
     assert all(pr.TOKEN_LOW <= t < pr.TOKEN_HIGH for p in a for t in p)
     w = pr.FULL
+    # Issue 41's workload.
+    assert (w.requests, w.prompt_tokens, w.max_tokens, w.concurrencies) == (512, 128, 256, (256, 512))
     batches = [pr.batch_prompts(w, r, c, p) for r in range(2) for c in w.concurrencies for p in pr.PATH_NAMES]
     assert all(len(b) == 512 and len(b[0]) == 128 for b in batches)
     # No batch shares a prompt's first KV block (16 tokens) with another: nothing is served from the prefix cache.
@@ -120,9 +122,14 @@ DRY = dataclasses.replace(
     pr.FULL, requests=8, prompt_tokens=16, max_tokens=4, concurrencies=(4, 8), min_rounds=2, max_rounds=2, budget_s=3600.0, quiet_s=0.2,
     warmup_requests=4, warmup_max_tokens=2, greedy_lengths=(8, 20), greedy_max_tokens=8, first_round_estimate_s=30.0,
 )  # fmt: skip
+# ROLLOUT_PER_REQUEST_DRY_RUN=wide: the GPU check's concurrencies and batch size (one round,
+# two tokens a request): its client, both servers and the front door at 512 calls in flight.
+WIDE = dataclasses.replace(DRY, requests=512, concurrencies=(256, 512), min_rounds=1, max_rounds=1, max_tokens=2, quiet_s=1.0)
 
 
-@pytest.mark.skipif(os.environ.get("ROLLOUT_PER_REQUEST_DRY_RUN") != "1", reason="the harness against CPU servers: set ROLLOUT_PER_REQUEST_DRY_RUN=1 (minutes)")
+@pytest.mark.skipif(
+    os.environ.get("ROLLOUT_PER_REQUEST_DRY_RUN") not in ("1", "wide"), reason="the harness against CPU servers: set ROLLOUT_PER_REQUEST_DRY_RUN=1 or wide (minutes)"
+)
 def test_the_harness_runs_against_cpu_servers(model_dir, tmp_path):
     from tests.engines import TEST_MODEL
     from tests.gpu.servers import Command, kv_cache_tokens, rollout_serve_argv, write_platform_config
@@ -140,12 +147,13 @@ def test_the_harness_runs_against_cpu_servers(model_dir, tmp_path):
         bare.first_completion_s(600)
         platform = Command(rollout_serve_argv(write_platform_config(config, tmp_path / "platform.yaml")), {"ROLLOUT_SYNC_TOKEN": "dry"}, tmp_path / "platform.log", 18152, key, name, gpu=False)
         platform.first_completion_s(600)
-        result = pr.run(bare.url, platform.url, name, key, DRY, started, None, 0.0)
+        w = WIDE if os.environ["ROLLOUT_PER_REQUEST_DRY_RUN"] == "wide" else DRY
+        result = pr.run(bare.url, platform.url, name, key, w, started, None, 0.0)
     finally:
         for cmd in (platform, bare):
             if cmd is not None:
                 cmd.stop()
     print(pr.summary_line(result["table"]), result["round_s"], result["greedy"], kv_cache_tokens(bare.lines), kv_cache_tokens(platform.lines))
-    assert result["rounds_run"] == 2 and result["rounds_stopped"] == "max_rounds 2 ran"
-    assert len(result["table"]) == 8 and all(r["rounds"] == 2 and r["platform_tokens_per_s"] > 0 and r["bare_tokens_per_s"] > 0 for r in result["table"])
+    assert result["rounds_run"] == w.max_rounds and result["rounds_stopped"] == f"max_rounds {w.max_rounds} ran"
+    assert len(result["table"]) == 8 and all(r["rounds"] == w.max_rounds and r["platform_tokens_per_s"] > 0 and r["bare_tokens_per_s"] > 0 for r in result["table"])
     assert result["greedy"] == {"/v1/rollouts": "equal", "/v1/completions": "equal"}, result["greedy"]
