@@ -291,3 +291,26 @@ def test_rollout_serve_starts_its_own_clusters_ray_workers_at_nice_0(monkeypatch
     assert seen["kwargs"]["address"] == address
     expected = RAY_WORKER_ENV if address is None else {k: None for k in RAY_WORKER_ENV}
     assert {k: seen["env"].get(k) for k in RAY_WORKER_ENV} == expected
+
+
+def test_rollout_serve_sets_the_front_door_before_serve_is_imported(tmp_path):
+    """`http.front_door: haproxy` through `rollout serve`: Serve reads its switches once, as it
+    is imported, so the command must set them before anything imports it (rollout.app did,
+    and every `rollout serve` with haproxy refused to start: tests/gpu/test_gpu_per_request.py's
+    dry run on CPU found it). In a fresh interpreter, stopped at ray.init."""
+    path = tmp_path / "rollout.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "/models/p", "device": "cuda"}, "http": {"front_door": "haproxy"}}))
+    script = (
+        "import argparse, os, sys, ray\n"
+        "from rollout import cli\n"
+        "def init(**kwargs):\n"
+        "    from ray.serve._private import constants\n"
+        "    print('serve sees', constants.RAY_SERVE_ENABLE_HA_PROXY, 'env', os.environ.get('RAY_SERVE_ENABLE_HA_PROXY'), flush=True)\n"
+        "    sys.exit(0)\n"
+        "ray.init = init\n"
+        "cli._serve(argparse.Namespace(config=sys.argv[1], address=None))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "serve sees True env 1" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -134,3 +134,44 @@ def test_the_sparse_row_reads_two_publishes_from_old_records_and_three_from_new_
     new = {**old, "first_bytes_sent": 2959694848, "perturbed_mode": "full", "perturbed_publish_s": 0.3, "perturbed_bytes_sent": 2959694848, "delta_bytes_sent": 59000000}
     row = _check_row(SPARSE, new, "14. ")
     assert "the perturbed checkpoint (full) 0.3 s sending 2959694848" in row and "a 1% step (delta) 0.35 s sending 59000000" in row
+
+
+PER_REQUEST = "test_per_request_http_throughput_against_vllm_serve_on_one_gpu"
+
+
+def _per_request_metrics(rounds: int) -> dict:
+    """What the check records (tests/gpu/test_gpu_per_request.py), its table built by the
+    harness's own ratio_table from synthetic rates."""
+    from tests.gpu import per_request as pr
+
+    rates = {
+        c: {pr.BARE: [20000.0] * rounds, pr.BARE_LOGPROBS: [19000.0] * rounds, "completions": [19500.0] * rounds,
+            "completions_logprobs": [18500.0] * rounds, "rollouts": [19800.0] * rounds, "rollouts_logprobs": [15200.0] * rounds}
+        for c in (256, 512)
+    }  # fmt: skip
+    return {
+        "front_door": {"front_door": "haproxy", "throughput_optimized": False},
+        "kv_cache_tokens": {"bare": 1_800_000, "platform": 1_790_000},
+        "bare_start_s": 150.2, "platform_start_s": 98.4, "platform_new_compile_keys": [],
+        "greedy": {"/v1/rollouts": "equal", "/v1/completions": "equal"},
+        "workload": {"requests": 512, "prompt_tokens": 128, "max_tokens": 256}, "goal": 0.95,
+        "rounds_run": rounds, "rounds_stopped": "budget 480 s: 450 s spent, a round takes ~100 s",
+        "table": pr.ratio_table(rates),
+    }  # fmt: skip
+
+
+def test_the_per_request_row_shows_each_route_logprobs_and_concurrency_against_bare():
+    row = _check_row(PER_REQUEST, _per_request_metrics(3), "19. Per-request", outcome="failed", error="AssertionError: per-request throughput under 0.95x")
+    assert "**failed**: AssertionError: per-request throughput under 0.95x" in row
+    assert "512 random 128-token prompts, 256 tokens out (ignore_eos), one request a call; front door `haproxy`;" in row
+    assert "KV cache tokens bare 1800000, platform 1790000; starts: bare 150.2 s, platform 98.4 s (new compile keys [])" in row
+    assert "3 interleaved rounds (budget 480 s: 450 s spent, a round takes ~100 s)" in row
+    assert "/v1/completions logprobs off at 256: 19,500 vs 20,000 = **0.97x** (0.97-0.97)" in row
+    assert "/v1/rollouts logprobs on at 512: 15,200 vs 19,000 = **0.80x** (0.80-0.80)" in row
+    assert row.count(" at 256: ") == 4 and row.count(" at 512: ") == 4
+
+
+def test_a_per_request_check_that_stopped_before_its_rounds_shows_its_starts():
+    metrics = {k: v for k, v in _per_request_metrics(0).items() if k not in ("table", "rounds_run", "rounds_stopped")}
+    row = _check_row(PER_REQUEST, metrics, "19. Per-request", outcome="cut off")
+    assert "starts: bare 150.2 s, platform 98.4 s" in row and "interleaved rounds" not in row

@@ -16,7 +16,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     import ray
 
-    from rollout.app import deploy
     from rollout.config import load_config
 
     cfg = load_config(args.config)
@@ -27,6 +26,9 @@ def _serve(args: argparse.Namespace) -> int:
     from rollout.http.front_door import prepare
 
     prepare(cfg.http)  # a cluster started here inherits Serve's switches (one joined has its own)
+    # Serve reads its switches once, as it is imported: rollout.app imports it, so only now.
+    from rollout.app import deploy
+
     # A cluster this command starts ends with it; one it joins keeps running.
     own_cluster = not (args.address or os.environ.get("RAY_ADDRESS"))
     if own_cluster:

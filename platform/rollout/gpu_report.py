@@ -244,6 +244,31 @@ _coldstart = _filled(
 )
 
 
+def _per_request(m: dict[str, Any]) -> str:
+    """Issue 41: per-request HTTP throughput, the platform against bare `vllm serve` on one GPU."""
+    w = m.get("workload") or {}
+    door = m.get("front_door") or {}
+    kv = m.get("kv_cache_tokens") or {}
+    head = (
+        f"{w.get('requests')} random {w.get('prompt_tokens')}-token prompts, {w.get('max_tokens')} tokens out (ignore_eos), one request a call; "
+        f"front door `{door.get('front_door')}`{' + throughput_optimized' if door.get('throughput_optimized') else ''}; "
+        f"KV cache tokens bare {kv.get('bare')}, platform {kv.get('platform')}; starts: bare {m.get('bare_start_s')} s, "
+        f"platform {m.get('platform_start_s')} s (new compile keys {m.get('platform_new_compile_keys')}); greedy {m.get('greedy')}"
+    )
+    table = m.get("table") or []
+    if not table:
+        return head
+    rows = "; ".join(
+        f"{r['route']} logprobs {'on' if r['logprobs'] else 'off'} at {r['concurrency']}: {r['platform_tokens_per_s']:,.0f} vs "
+        f"{r['bare_tokens_per_s']:,.0f} = **{r['ratio']:.2f}x** ({r['interval_90'][0]:.2f}-{r['interval_90'][1]:.2f})"
+        for r in table
+    )
+    return (
+        f"{head}. {m.get('rounds_run')} interleaved rounds ({m.get('rounds_stopped')}); output tok/s platform vs bare, medians, "
+        f"ratio the median of paired rounds (90% interval), goal >= {m.get('goal')}x: {rows}"
+    )
+
+
 def _sleep(m: dict[str, Any]) -> str:
     """Issue 42: each sleep level's memory, times and greedy output after the wake."""
     levels = []
@@ -332,6 +357,10 @@ CHECKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "test_sleep_levels_free_the_replicas_gpu_memory_and_wake_to_the_same_greedy_output": (
         "18. Sleep and wake over the fleet: each level frees the replica's GPU memory and wakes to the same greedy output (one GPU)",
         _sleep,
+    ),
+    "test_per_request_http_throughput_against_vllm_serve_on_one_gpu": (
+        "19. Per-request HTTP throughput: `rollout serve` against bare `vllm serve` side by side, one request a call, rounds interleaved (one GPU)",
+        _per_request,
     ),
 }
 

@@ -26,118 +26,20 @@ alone: `check.sh run 1500 -k coldstart` (about 15 minutes on an H200: two cold s
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
-import pytest
-
-from rollout.engine.startup import COMPILE_CACHE_DIRS
 from tests.gpu.machine import MODEL, WORK, needs_gpus
+from tests.gpu.servers import VLLM_SERVE, Command, cache_env, compile_dirs, phases, rollout_serve_argv, wait_for_idle_gpu, write_platform_config
 
 pytestmark = needs_gpus(1)
 API_KEY = "gpu-coldstart-key"
 PORT = 18131
-START_LIMIT_S = 900.0
 WARM_GOAL = 1.15  # the platform warm within 15% of bare vllm serve warm (Ray and Serve's own start)
 COLD_GOAL = 1.15
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 256
 GPU_MEMORY_UTILIZATION = 0.85
-# `vllm serve` itself (the overlay installs the "vllm" distribution its script looks up).
-VLLM_SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
-IDLE_BYTES = 4 << 30  # below this GPU 0 holds no engine (one takes GPU_MEMORY_UTILIZATION of it)
-# Every cache an engine start fills, as the chart's compileCache sets them (rollout.compileCacheEnv).
-CACHE_DIRS = COMPILE_CACHE_DIRS
-
-
-def cache_env(root: Path) -> dict[str, str]:
-    root.mkdir(parents=True, exist_ok=True)
-    return {name: str(root / sub) for name, sub in CACHE_DIRS.items()}
-
-
-def compile_dirs(root: Path) -> set[str]:
-    """The compile-cache keys vLLM has written under ``root``'s VLLM_CACHE_ROOT: one directory
-    per key, under torch_compile_cache/ (vLLM's backend) or torch_compile_cache/torch_aot_compile/
-    (its AOT compile, on by default with torch >= 2.10)."""
-    d = root / "vllm" / "torch_compile_cache"
-    if not d.is_dir():
-        return set()
-    keys = {p.name for p in d.iterdir() if p.is_dir() and p.name != "torch_aot_compile"}
-    aot = d / "torch_aot_compile"
-    return keys | ({f"torch_aot_compile/{p.name}" for p in aot.iterdir() if p.is_dir()} if aot.is_dir() else set())
-
-
-class Command:
-    """A server command in a child process of its own session, its output collected."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path):
-        self.log = log
-        self.lines: list[str] = []
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        with self.log.open("w") as f:
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip("\n"))
-                f.write(line)
-
-    def first_completion_s(self) -> float:
-        """Seconds from the command to its first answered completion."""
-        import httpx
-
-        deadline = self.t0 + START_LIMIT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.log.name}: the command exited ({self.proc.returncode}) before serving:\n" + "\n".join(self.lines[-40:]))
-            try:
-                r = httpx.post(
-                    f"http://127.0.0.1:{PORT}/v1/completions",
-                    headers={"Authorization": f"Bearer {API_KEY}"},
-                    json={"model": "model-1.5b", "prompt": [5, 17, 42], "max_tokens": 1, "temperature": 0},
-                    timeout=10,
-                )
-                if r.status_code == 200:
-                    return time.monotonic() - self.t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        pytest.fail(f"{self.log.name}: no completion within {START_LIMIT_S:.0f} s:\n" + "\n".join(self.lines[-40:]))
-
-    def stop(self) -> None:
-        """SIGTERM to the command (each stops its own engine, `rollout serve` its own Ray
-        cluster), SIGKILL to its whole session after 120 s; then until the GPU is idle again."""
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._reader.join(10)
-        wait_for_idle_gpu()
-
-
-def wait_for_idle_gpu(limit_s: float = 120.0) -> None:
-    """Until GPU 0 holds less than IDLE_BYTES (nvidia-smi: no CUDA context in this process)."""
-    deadline = time.monotonic() + limit_s
-    used = None
-    while time.monotonic() < deadline:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"], capture_output=True, text=True)
-        used = int(out.stdout.split()[0]) << 20 if out.returncode == 0 and out.stdout.strip() else None
-        if used is not None and used < IDLE_BYTES:
-            return
-        time.sleep(2)
-    pytest.fail(f"GPU 0 still holds {used} bytes {limit_s:.0f} s after the command ended: an engine process outlived it")
+SERVED_NAME = "model-1.5b"
 
 
 def bare(env: dict[str, str], log: Path) -> Command:
@@ -146,12 +48,10 @@ def bare(env: dict[str, str], log: Path) -> Command:
         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
         "--seed", "0", "--port", str(PORT), "--host", "127.0.0.1", "--api-key", API_KEY,
     ]  # fmt: skip
-    return Command(argv, env, log)
+    return Command(argv, env, log, PORT, API_KEY, SERVED_NAME)
 
 
 def platform(env: dict[str, str], log: Path, sync_backend: str = "ipc") -> Command:
-    import yaml
-
     key_file = WORK / "coldstart-api-key"
     key_file.write_text(API_KEY + "\n")
     config = {
@@ -164,19 +64,8 @@ def platform(env: dict[str, str], log: Path, sync_backend: str = "ipc") -> Comma
         "sync": {"backend": sync_backend},
         "tools": {"python": {"enabled": False}},  # the lent image has no bubblewrap
     }  # fmt: skip
-    path = WORK / f"{log.stem}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return Command([sys.executable, "-m", "rollout.cli", "serve", "--config", str(path)], {**env, "ROLLOUT_SYNC_TOKEN": "gpu-coldstart-sync"}, log)
-
-
-def phases(lines: list[str]) -> dict[str, float]:
-    """The replica's start phases as it logged them (rollout.engine.startup)."""
-    out = {}
-    for line in lines:
-        m = re.search(r"start: (\w+) took ([0-9.]+)s", line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
+    path = write_platform_config(config, WORK / f"{log.stem}.yaml")
+    return Command(rollout_serve_argv(path), {**env, "ROLLOUT_SYNC_TOKEN": "gpu-coldstart-sync"}, log, PORT, API_KEY, SERVED_NAME)
 
 
 def timed(cmd: Command) -> float:
