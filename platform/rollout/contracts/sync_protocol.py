@@ -17,6 +17,11 @@ SYNC_TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"  # where publishers and the coordinator fi
 DEFAULT_BUCKET_BYTES = 32 << 20  # bytes per packed bucket (sync.bucket_bytes)
 
 PauseMode = Literal["keep", "wait", "abort"]
+# When a publish returns (WeightPublisher.publish(wait=)): "serving", once every member
+# serves the version (its label set, generation resumed); "committed", at the decision:
+# every member received it and the round committed, but a member may still be labelling and
+# resuming (requests that need the version wait for it, as for any version in flight).
+PublishWait = Literal["serving", "committed"]
 # What vLLM's sleep mode puts to sleep (``vllm.v1.executor.abstract.SLEEP_TAGS``), as its
 # ``/wake_up?tags=`` names them: a trainer may wake the weights first (to publish into them)
 # and the KV cache last.
@@ -63,6 +68,12 @@ class DeltaBaseError(SyncError):
     """A delta names a base its receiver does not hold (another version, or bytes whose
     digest differs): it is refused before anything loads, never applied onto the wrong
     base (rollout.sync.delta). The publisher then sends in full."""
+
+
+class OfferUnknownError(SyncError):
+    """A publisher named an earlier offer by its id (an ``ipc`` export it offered before)
+    that the coordinator does not hold (it restarted, or another export came since):
+    refused before any round opens; the publisher offers in full instead."""
 
 
 class FleetAsleepError(SyncError):

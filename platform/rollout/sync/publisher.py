@@ -26,15 +26,17 @@ import torch
 
 from rollout.contracts import net
 from rollout.contracts.backend import CopySender, SendChoice, Sender
-from rollout.contracts.backend_registry import make_sender
+from rollout.contracts.backend_registry import get_backend, make_sender
 from rollout.contracts.sync_protocol import (
     COORDINATOR_NAME,
     AdapterRequest,
     SYNC_TOKEN_ENV,
     CoordinatorUnreachableError,
     DeltaBaseError,
+    OfferUnknownError,
     ParamSpec,
     PublisherUnreachableError,
+    PublishWait,
     PushRound,
     RoundOutcome,
     RoundRequest,
@@ -185,11 +187,21 @@ class WeightPublisher:
         """
         return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token), ports=ports)
 
-    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None, *, delta: bool = True) -> int:
+    def publish(
+        self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None, *, delta: bool = True, wait: PublishWait = "serving"
+    ) -> int:
         """Send weights to every live replica; return the committed version once every
         replica serves it. A replica that does not confirm within the step deadline
         (``sync.timeout_s``) does not hold the trainer longer: the version stays committed,
         a warning names the replica and ``last_outcome.unconfirmed`` lists it.
+
+        ``wait="committed"`` returns at the commit instead: every replica received the
+        weights and the round committed (all or none, as always), but a replica may still be
+        labelling the version and resuming generation for a few milliseconds. Requests that
+        need the version (``min_weight_version``, ``max_staleness``) wait for it as for any
+        version in flight; ``last_outcome`` then has no replica phases and no
+        ``unconfirmed`` (``status()`` has both once the replicas confirm). It saves the
+        trainer the replicas' label, resume and confirmation (issue 41).
 
         ``checkpoint``: an absolute path where these same weights are saved (HF
         safetensors, e.g. ``save_pretrained``) on storage every replica can read. Once
@@ -215,6 +227,8 @@ class WeightPublisher:
         ``FleetAsleepError`` (a ``SyncError``) says the replicas' weights sleep (a co-located
         trainer's ``/sleep``, ``RolloutClient.sleep``): nothing opened; wake them first.
         """
+        if wait not in ("serving", "committed"):
+            raise InvalidRequestError("wait", f"must be 'serving' or 'committed' (PublishWait), not {wait!r}")
         t0 = time.perf_counter()
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         # Left where they are: each sender moves what it needs (gloo a bucket at a time
@@ -228,8 +242,10 @@ class WeightPublisher:
         # A sender that feeds the coordinator's copy says where that copy goes (see CopySender).
         copier = self._sender if isinstance(self._sender, CopySender) else None
         copy = copier.copy_offer(self.ports, self._ports_setting) if copier is not None else None
-        advertised = net.choose(toward=self._coordinator.host)
-        if not net.is_local(advertised.address):
+        # A backend without a rendezvous (ipc: replicas read the offered handles) advertises
+        # no address and no port: nothing connects to this process.
+        advertised = net.choose(toward=self._coordinator.host) if get_backend(backend).has_rendezvous else None
+        if advertised is not None and not net.is_local(advertised.address):
             # Found here, before any replica pauses, rather than as the transport's failure
             # to bind mid-round.
             raise SyncError(
@@ -241,9 +257,9 @@ class WeightPublisher:
         self._sender.prepare(list(tensors.items()), None if delta else "publish(delta=False)")
         request = RoundRequest(
             params=tuple(specs),
-            master_address=advertised.address,
+            master_address=advertised.address if advertised is not None else "",
             # Not the copy's port: free until the copy's rendezvous binds it after the round.
-            master_port=net.free_port(self.ports, self._ports_setting, taken=(copy.port,) if copy is not None else ()),
+            master_port=net.free_port(self.ports, self._ports_setting, taken=(copy.port,) if copy is not None else ()) if advertised is not None else 0,
             version=version,
             reuse_group=self._sender.group_name,
             transfer_info=self._sender.offer(list(tensors.values())),
@@ -251,6 +267,7 @@ class WeightPublisher:
             copy_group=copy.group_name if copy is not None else "",
             copy_port=copy.port if copy is not None else 0,
         )
+        t_asked = time.perf_counter()
         try:
             plan = self._coordinator.begin_round(self._token, request)
         except DeltaBaseError as e:
@@ -259,11 +276,20 @@ class WeightPublisher:
             logger.warning("the coordinator refused the delta (%s): sending in full", e)
             self._sender.prepare(list(tensors.items()), f"the coordinator refused the delta ({e})")
             plan = self._coordinator.begin_round(self._token, replace(request, transfer_info=self._sender.offer(list(tensors.values()))))
+        except OfferUnknownError as e:
+            # The coordinator no longer holds the offer named by id (it restarted): nothing
+            # opened; offer it in full.
+            logger.warning("the coordinator does not hold the offer named by id (%s): offering it in full", e)
+            self._sender.offer_unknown()
+            plan = self._coordinator.begin_round(self._token, replace(request, transfer_info=self._sender.offer(list(tensors.values()))))
         self.last_choice = self._sender.choice
         t_open = time.perf_counter()
         self.last_group_kept = bool(plan.transfer.group_name)
         sender = self._sender
-        error = _send_with_deadline(sender, plan, [tensors[p.name] for p in plan.params], _decided(self._coordinator, plan.round_id))
+        if sender.pushes:
+            error = _send_with_deadline(sender, plan, [tensors[p.name] for p in plan.params], _decided(self._coordinator, plan.round_id))
+        else:
+            error = None  # its replicas pull what it offered: nothing to send, no thread to wait on
         if error:
             logger.error("sending %s failed: %s", plan.round_id, error)
             # A sender thread abandoned at the deadline may still hold the group.
@@ -276,6 +302,8 @@ class WeightPublisher:
             bound = _finish_bound_s(plan, error, t_sent - t_open)
             # Passed only where the sender digested (stand-ins for backends without digests need not take it).
             extra = {"digests": sent_digests} if sent_digests is not None else {}
+            if wait != "serving":  # passed only where asked (stand-ins for the coordinator need not take it)
+                extra["wait"] = wait
             outcome = self._coordinator.finish(self._token, plan.round_id, error, timeout_s=bound, **extra)
         except CoordinatorUnreachableError as e:
             # Whether the round committed is unknown: its group is not reused. After a clean
@@ -290,7 +318,9 @@ class WeightPublisher:
             ) from None
         t_done = time.perf_counter()
         # Where the trainer's time went; the replicas' own steps are in outcome.phases.
-        self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
+        # "open.prepare": this process's work before asking (specs, offer); "open.ask": the
+        # coordinator's answer to begin_round (its checks, the members woken, the legs).
+        self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent, "open.prepare": t_asked - t0, "open.ask": t_open - t_asked}
         self.last_phases.update({f"send.{k}": v for k, v in sender.phases.items()})
         self.last_outcome = outcome
         sender.decided(outcome.version if outcome.committed else None)
@@ -302,7 +332,7 @@ class WeightPublisher:
         if outcome.unreachable:
             raise PublisherUnreachableError(
                 f"{plan.round_id} aborted: the replicas cannot reach this publisher at {outcome.unreachable}, "
-                f"the address it advertised ({advertised.source}), {net.describe_port(plan.transfer.master_port, self.ports, self._ports_setting)}: "
+                f"the address it advertised ({advertised.source if advertised is not None else 'none'}), {net.describe_port(plan.transfer.master_port, self.ports, self._ports_setting)}: "
                 f"{outcome.error}. Set {net.ADDRESS_ENV} to an address of this host that the replicas reach, and let them "
                 f"connect to that port; replicas keep version {outcome.version}",
                 plan.transfer.master_address,

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 
-from rollout.contracts.backend import delta_base_of
+from rollout.contracts.backend import TransferInfo, delta_base_of
 from rollout.contracts.backend_registry import get_backend
 from rollout.contracts.sync_protocol import (
     RESTORE_ROUNDS,
@@ -33,6 +33,8 @@ from rollout.contracts.sync_protocol import (
     Member,
     PullRound,
     PushRound,
+    OfferUnknownError,
+    PublishWait,
     ReloadRound,
     Round,
     RoundOutcome,
@@ -93,6 +95,10 @@ class RoundState:
     missing: set[str] = field(init=False)  # members that have not reported
     failed: set[str] = field(init=False)  # replicas whose report is an error
     applied_members: int = 0
+    # The plan as members that hold its offer get it (the offer named by id alone, see
+    # TransferInfo.reference), and who they are; None: every member gets ``plan``.
+    by_reference: Optional[Round] = None
+    holders: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.version = self.version or self.plan.version
@@ -120,8 +126,10 @@ class RoundState:
     def plan_for(self, replica_id: str) -> Round:
         """The plan as one member receives it: only its own entry of ``members`` (its rank
         offset; the world size says the rest). The whole list to every member would make
-        the bytes a round sends grow with the square of the members."""
-        return dataclasses.replace(self.plan, members=(self.by_id[replica_id],)) if len(self.plan.members) > 1 else self.plan
+        the bytes a round sends grow with the square of the members. A member that holds
+        the round's offer gets it named by id alone."""
+        plan = self.by_reference if self.by_reference is not None and replica_id in self.holders else self.plan
+        return dataclasses.replace(plan, members=(self.by_id[replica_id],)) if len(plan.members) > 1 else plan
 
     def complete(self) -> bool:
         """Every participant reported (or one failed): the round can be decided."""
@@ -171,6 +179,12 @@ class Rounds:
         # replica -> (version, combined digest) of the weights it received in the last
         # round it committed: what status() shows beside each replica's version.
         self.replica_digests: dict[str, tuple[int, str]] = {}
+        # The last complete offer a publisher named an id for (an ipc export: its handles),
+        # and the replicas that received it in a committed round (their engines hold it):
+        # a later offer naming it by id is completed from it, and only members not among
+        # these get it in full (see TransferInfo.reference).
+        self._offer: Optional[Any] = None
+        self._offer_holders: set[str] = set()
         # Held from opening a round until its decision: one round at a time.
         self._lock = asyncio.Lock()
 
@@ -240,6 +254,11 @@ class Rounds:
             listener.opening(plan)
         copy_rank = plan.keeper_rank if isinstance(plan, (PushRound, SessionRound)) else None
         rnd = RoundState(plan=plan, deadline=time.monotonic() + 3 * plan.timeout_s, copy_rank=copy_rank)
+        offer = plan.transfer_info if isinstance(plan, PushRound) else None
+        slim = offer.reference() if isinstance(offer, TransferInfo) and offer is self._offer else None
+        if slim is not None:
+            rnd.by_reference = dataclasses.replace(plan, transfer_info=slim)
+            rnd.holders = frozenset(self._offer_holders & rnd.member_ids)
         self.current = rnd
         self.membership.wake(m.replica_id for m in plan.members)
         loop = asyncio.get_running_loop()
@@ -288,15 +307,41 @@ class Rounds:
         async with self.opening():
             refuse_round(self.membership.control.sleep, "a publish")  # under the lock: a /sleep may have come while it waited
             self._check_delta_base(offered)  # under the lock: no commit moves the base meanwhile
+            offered = self._complete_offer(offered)  # under the lock: no round moves the last offer meanwhile
             plan = self._plan_push(request, offered)
             self.store.offered(plan.round_id, request.checkpoint)
-            self.open(plan)
+            rnd = self.open(plan)
         logger.info(
             "opened %s: version %d to %d replicas (world size %d, %s)",
             plan.round_id, plan.version, len(plan.members), plan.transfer.world_size,
             f"reusing group {plan.transfer.group_name}" if plan.transfer.group_name else "new group",
         )
-        return plan
+        # The members' plans before the publisher's answer: a member's plan is on the
+        # round's critical path, the publisher's answer is not (its finish waits for the
+        # members anyway). The woken long polls run before this call returns.
+        await asyncio.sleep(0)
+        # The publisher sent the offer: it gets it back named by id where it can be.
+        return rnd.by_reference if rnd.by_reference is not None else plan
+
+    def _complete_offer(self, offered: Any) -> Any:
+        """``offered`` complete: an offer named by id (TransferInfo.by_reference) is the last
+        complete offer of that id, or OfferUnknownError (the publisher offers in full
+        then). A complete offer with another id replaces the one kept, and nobody holds it yet."""
+        if not isinstance(offered, TransferInfo) or not offered.offer_id():
+            return offered
+        if offered.by_reference():
+            if self._offer is None or self._offer.offer_id() != offered.offer_id():
+                held = self._offer.offer_id() if self._offer is not None else "none"
+                raise OfferUnknownError(f"transfer_info: offer {offered.offer_id()} named by id is not the one this coordinator holds ({held}): offer it in full")
+            return self._offer
+        if self._offer is None or self._offer.offer_id() != offered.offer_id():
+            self._offer_holders = set()
+        self._offer = offered
+        return offered
+
+    def forget_holder(self, replica_id: str) -> None:
+        """``replica_id`` (re)registered: its engine may not hold the kept offer."""
+        self._offer_holders.discard(replica_id)
 
     def _check_delta_base(self, offered: Any) -> None:
         """A delta (rollout.sync.delta) applies only onto the committed version, and onto
@@ -462,12 +507,13 @@ class Rounds:
         await rnd.decided.wait()
         return rnd.outcome
 
-    async def finish(self, round_id: str, error: Optional[str] = None, *, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
+    async def finish(self, round_id: str, error: Optional[str] = None, *, digests: Optional[dict[str, str]] = None, wait: PublishWait = "serving") -> RoundOutcome:
         """The sender is done (or, with ``error``, aborts): wait for the decision and, after
         a commit, for the members to serve it, so a publisher that returns finds every
         replica on the new version (it never waits longer than one step deadline).
         ``digests``: the sender's per-tensor digests of what it sent; every member's must
-        equal them for the round to commit."""
+        equal them for the round to commit. ``wait`` "committed": return at the decision
+        (the members' phases and ``unconfirmed`` then reach status() only)."""
         past = self.past_outcome(round_id)
         if past is not None:
             return past
@@ -478,7 +524,7 @@ class Rounds:
             rnd.sender_digests = dict(digests)
         self._decide_if_complete(rnd)
         await rnd.decided.wait()
-        if rnd.outcome.committed and rnd.plan.members:
+        if rnd.outcome.committed and rnd.plan.members and wait == "serving":
             try:
                 await asyncio.wait_for(rnd.all_applied.wait(), timeout=rnd.plan.timeout_s)
             except asyncio.TimeoutError:
@@ -496,6 +542,12 @@ class Rounds:
             if rnd.outcome is not None and phases:
                 rnd.outcome.phases[replica_id] = dict(phases)
             rnd.record_applied(replica_id)
+        elif phases:
+            # A publish that returned at the commit (wait="committed") may have opened the
+            # next round before this member was done: its phases still go with its outcome.
+            past = self.past_outcome(round_id)
+            if past is not None:
+                past.phases[replica_id] = dict(phases)
 
     def _decide_if_complete(self, rnd: RoundState) -> None:
         if rnd.complete():
@@ -552,6 +604,12 @@ class Rounds:
             # Every participant keeps a committed round's group; after an abort some
             # have dropped it, so the next round forms a new one.
             self._kept = _KeptGroup.of(plan) if committed else None
+            if committed and self._offer is not None and plan.transfer_info is self._offer:
+                self._offer_holders |= rnd.member_ids  # every member received it
+            elif not committed:
+                # Whatever a member's engine holds after a failed round (its failure may be
+                # that it lacks the export), the next round gives every member the offer in full.
+                self._offer_holders -= rnd.member_ids
         elif isinstance(plan, (SessionRound, StorageRound)):
             # A storage round forms no group, but its members forget the one they held
             # (an engine keeps it only across the publish rounds it serves).
