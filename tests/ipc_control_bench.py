@@ -10,7 +10,7 @@ engine core: a stand-in that answers each utility call after ``ONE_WAY_S`` there
 arrival order (one at a time), and ``ONE_WAY_S`` back; ``update_weights`` works ``COPY_S``
 (the H200's 1.7 ms copy), every other call ``SERVICE_S``.
 
-    PYTHONPATH=platform:. python tests/ipc_control_bench.py [rounds] [params]
+    PYTHONPATH=platform:. python tests/ipc_control_bench.py [rounds] [params] [wait]
 
 Runs against any tree (the issue-41 commit and the one before it), so the two compare.
 """
@@ -146,7 +146,8 @@ def write_model(path: Path, params: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run(rounds: int, params: int) -> dict:
+def run(rounds: int, params: int, wait: str = "") -> dict:
+    """``wait``: publish's ``wait`` where given (trees before issue 41 have none)."""
     from rollout.sync.agent import SyncAgent
     from rollout.sync.coordinator import WeightSyncCoordinator
     from rollout.sync.publisher import WeightPublisher
@@ -172,13 +173,14 @@ def run(rounds: int, params: int) -> dict:
     for _ in range(rounds):
         SIZES.clear()
         t0 = time.perf_counter()
-        publisher.publish(tensors)
+        publisher.publish(tensors, **({"wait": wait} if wait else {}))
         seconds.append(time.perf_counter() - t0)
         phases.append({"trainer": dict(publisher.last_phases), "replica": dict(publisher.last_outcome.phases.get("a", {}))})
     steady = seconds[1:]
     calls_per_round = engine.calls[-(len(engine.calls) // rounds) :]
     agent.stop()
     return {
+        "wait": wait or "serving",
         "params": params,
         "rounds": rounds,
         "model": {"one_way_s": ONE_WAY_S, "service_s": SERVICE_S, "copy_s": COPY_S},
@@ -194,4 +196,4 @@ def run(rounds: int, params: int) -> dict:
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 21
     p = int(sys.argv[2]) if len(sys.argv) > 2 else 339
-    print(json.dumps(run(n, p), indent=1))
+    print(json.dumps(run(n, p, sys.argv[3] if len(sys.argv) > 3 else ""), indent=1))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.contracts.sync_protocol import OfferUnknownError, RoundRequest
+from rollout.contracts.sync_protocol import OfferUnknownError, RoundRequest, params_digest
 from rollout.sync.backends.ipc import IpcTransferInfo
 from tests.ipc_control_bench import SIZES, FifoEngine, PicklingLink, PublisherLink, no_cuda, write_model
 
@@ -70,9 +70,9 @@ def test_steady_rounds_init_once_pipeline_the_engine_calls_and_carry_the_export_
     assert calls[-6:] == steady and calls[-12:-6] == steady
     first, *later = fleet.engine.update_infos
     assert first["ipc_handles_pickled"] and all(i["ipc_handles_pickled"] == "" and i["export_id"] == first["export_id"] for i in later)
-    # The steady round's messages: no handles, far under Ray's 100 KiB inline limit.
+    # The steady round's messages: no handles and no parameter list (their digest), a few KiB.
     for call in ("begin_round.call", "begin_round.answer", "next_round.answer"):
-        assert max(SIZES[call]) < 100 * 1024, (call, SIZES[call])
+        assert max(SIZES[call]) < 4 * 1024, (call, SIZES[call])
     phases = fleet.publisher.last_outcome.phases["a"]
     assert {"pause", "join", "start", "receive", "decision", "version", "resume"} <= set(phases)
     assert {"open", "send", "commit", "open.prepare", "open.ask", "send.offer"} <= set(fleet.publisher.last_phases)
@@ -88,14 +88,16 @@ def test_a_member_that_does_not_hold_the_export_gets_the_handles_and_one_that_do
         export = c.rounds._offer.export_id
         plan = await c.begin_round(None, RoundRequest(tuple(specs), "", 0, transfer_info=IpcTransferInfo("", export)))
         rnd = c.rounds.current
-        got = {rid: rnd.plan_for(rid).transfer_info for rid in ("a", "b")}
+        got = {rid: rnd.plan_for(rid) for rid in ("a", "b")}
         await c.finish(None, plan.round_id, "the test ends the round")
         return plan, got, export
 
     plan, got, export = fleet.on_loop(second_round())
-    assert got["a"] == IpcTransferInfo("", export), "a received this export in a committed round: the id alone"
-    assert got["b"].ipc_handles_pickled and got["b"].export_id == export, "b joined since: the handles"
-    assert plan.transfer_info == IpcTransferInfo("", export), "the publisher's answer carries no handles back"
+    assert got["a"].transfer_info == IpcTransferInfo("", export), "a received this export in a committed round: the id alone"
+    assert got["a"].params == () and got["a"].params_digest == params_digest(specs), "... and the parameters by digest"
+    assert got["b"].transfer_info.ipc_handles_pickled and got["b"].transfer_info.export_id == export, "b joined since: the handles"
+    assert got["b"].params == tuple(specs) and got["b"].params_digest == params_digest(specs)
+    assert plan.transfer_info == IpcTransferInfo("", export) and plan.params == (), "the publisher's answer carries neither back"
 
 
 def test_an_offer_by_id_the_coordinator_does_not_hold_is_refused_and_the_publisher_offers_in_full(fleet):
@@ -107,6 +109,13 @@ def test_an_offer_by_id_the_coordinator_does_not_hold_is_refused_and_the_publish
 
     with pytest.raises(OfferUnknownError, match="not-the-export"):
         fleet.on_loop(by_unknown_id())
+
+    async def params_by_unknown_digest():
+        export = c.rounds._offer.export_id
+        return await c.begin_round(None, RoundRequest((), "", 0, transfer_info=IpcTransferInfo("", export), params_digest="0" * 64))
+
+    with pytest.raises(OfferUnknownError, match="params_digest"):
+        fleet.on_loop(params_by_unknown_digest())
     assert c.rounds.current.outcome.committed, "nothing opened"
     c.rounds._offer = None  # as after a coordinator restart
     assert fleet.publisher.publish(fleet.tensors) == 2

@@ -149,6 +149,18 @@ class RoundRequest:
     # round's critical path. Empty: the copy receives in the round.
     copy_group: str = ""
     copy_port: int = 0
+    # ``params`` named by their digest (:func:`params_digest`) with ``params`` empty: those of
+    # the last publish the coordinator accepted with that digest. Only beside an offer named
+    # by id (TransferInfo.by_reference: ``ipc``, inside the cluster), as the handles are.
+    params_digest: str = ""
+
+
+def params_digest(params) -> str:
+    """A round's parameters (names, dtypes, shapes, in their order) as one sha256: what a
+    message names them by for a receiver that holds them (issue 41)."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(f"{p.name}\t{p.dtype}\t{','.join(map(str, p.shape))}" for p in params).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -310,6 +322,10 @@ class PushRound(_TransferRound):
     # The group of two over which the publisher sends the coordinator's copy once the
     # round commits (see RoundRequest.copy_group); None: no copy, or ``keeper_rank``.
     copy: Optional[CopyGroup] = None
+    # The digest of the round's ``params`` (params_digest) where its offer has an id; with
+    # ``params`` empty (the plan of a member that holds the offer), the member's own copy
+    # of the parameters of that digest, kept from the last plan that carried them.
+    params_digest: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -201,6 +201,8 @@ class SyncAgent:
         # its group forgets it: any other round (failed, aborted, a restore, a route
         # session's) and a route session's join.
         self._engine_group: Optional[_Joined] = None
+        # (params_digest, params) of the last publish plan that carried them (see _round_params).
+        self._params_held: Optional[tuple[str, tuple]] = None
         # The LoRA adapters this replica's engine serves (published as AdapterRounds).
         self.adapters = ServedAdapters(engine, replica_id)
         self.adapter_rounds = AdapterRounds(self.adapters, self.coordinator, replica_id, report=lambda plan, error: self._report(plan, error), version=lambda: self.version)
@@ -609,7 +611,20 @@ class SyncAgent:
                     await check_reachable(backend.rendezvous(plan), limits.round_s)
                 await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), limits.step_s)
         moved.joined = joined
-        await self._receive(plan, backend.update_info(plan.params, offered), clock, limits, moved, start=True)
+        await self._receive(plan, backend.update_info(self._round_params(plan), offered), clock, limits, moved, start=True)
+
+    def _round_params(self, plan: Union[PushRound, PullRound]) -> tuple:
+        """The round's parameters: the plan's, or, where it names them by digest alone (a
+        member that holds its offer: ipc), those of the last plan that carried them."""
+        digest = plan.params_digest if isinstance(plan, PushRound) else ""
+        if plan.params or not digest:
+            if digest:
+                self._params_held = (digest, plan.params)
+            return plan.params
+        if self._params_held is None or self._params_held[0] != digest:
+            # Nothing was loaded: the round fails, and the next gives every member its offer in full.
+            raise ValueError(f"{plan.round_id} names its parameters by digest {digest[:16]}…, which this replica does not hold")
+        return self._params_held[1]
 
     async def _receive_in_session(self, plan: SessionRound, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
         # A route session's members joined its group at the session's start.

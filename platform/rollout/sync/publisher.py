@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from rollout.contracts import net
-from rollout.contracts.backend import CopySender, SendChoice, Sender
+from rollout.contracts.backend import CopySender, SendChoice, Sender, TransferInfo
 from rollout.contracts.backend_registry import get_backend, make_sender
 from rollout.contracts.sync_protocol import (
     COORDINATOR_NAME,
@@ -110,6 +110,11 @@ def _send_with_deadline(sender: Sender, plan: PushRound, tensors, decided: Calla
             return "the round ended while sending (a member failed); the send was abandoned"
 
 
+def _by_reference(offered) -> bool:
+    """The sender named its offer by id (see TransferInfo.by_reference)."""
+    return isinstance(offered, TransferInfo) and offered.by_reference()
+
+
 def _decided(coordinator: CoordinatorClient, round_id: str) -> Callable[[], bool]:
     def check() -> bool:
         try:
@@ -145,6 +150,10 @@ class WeightPublisher:
         self._backend_resolved: Optional[str] = None
         # The coordinator's copy of the last committed round, still being sent (the thread, its deadline).
         self._copy: Optional[tuple[threading.Thread, float]] = None
+        # The last publish's ParamSpecs, by what they were made of (names, dtypes, shapes).
+        self._specs: Optional[tuple[tuple, list[ParamSpec]]] = None
+        # (layout, params_digest) of the last round that committed with an offer named by id.
+        self._committed_params: Optional[tuple[tuple, str]] = None
 
     @classmethod
     def connect(
@@ -234,7 +243,10 @@ class WeightPublisher:
         # Left where they are: each sender moves what it needs (gloo a bucket at a time
         # to the host, nccl and ipc stay on the GPU).
         tensors = {name: t.detach() for name, t in items}
-        specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
+        # What the specs are made of: the same (the steady state) reuses the last ones.
+        layout = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        specs = self._specs[1] if self._specs is not None and self._specs[0] == layout else [ParamSpec.of(n, t) for n, t in tensors.items()]
+        self._specs = (layout, specs)
         backend = self._platform_backend()
         self.flush()  # one copy at a time, in the order of the commits
         if self._sender is None:
@@ -255,14 +267,19 @@ class WeightPublisher:
         # A delta sender prices a delta against what it last committed (rollout.sync.delta);
         # its offer travels over Serve or, typed, over HTTP (rollout.sync.remote).
         self._sender.prepare(list(tensors.items()), None if delta else "publish(delta=False)")
+        offered = self._sender.offer(list(tensors.values()))
+        # Beside an offer named by id, the parameters go by their digest where the last round
+        # committed these same ones (the coordinator and every member that holds the offer keep them).
+        by_digest = self._committed_params[1] if self._committed_params is not None and self._committed_params[0] == layout and _by_reference(offered) else ""
         request = RoundRequest(
-            params=tuple(specs),
+            params=() if by_digest else tuple(specs),
+            params_digest=by_digest,
             master_address=advertised.address if advertised is not None else "",
             # Not the copy's port: free until the copy's rendezvous binds it after the round.
             master_port=net.free_port(self.ports, self._ports_setting, taken=(copy.port,) if copy is not None else ()) if advertised is not None else 0,
             version=version,
             reuse_group=self._sender.group_name,
-            transfer_info=self._sender.offer(list(tensors.values())),
+            transfer_info=offered,
             checkpoint=checkpoint,
             copy_group=copy.group_name if copy is not None else "",
             copy_port=copy.port if copy is not None else 0,
@@ -281,7 +298,9 @@ class WeightPublisher:
             # opened; offer it in full.
             logger.warning("the coordinator does not hold the offer named by id (%s): offering it in full", e)
             self._sender.offer_unknown()
-            plan = self._coordinator.begin_round(self._token, replace(request, transfer_info=self._sender.offer(list(tensors.values()))))
+            self._committed_params = None
+            full = replace(request, params=tuple(specs), params_digest="", transfer_info=self._sender.offer(list(tensors.values())))
+            plan = self._coordinator.begin_round(self._token, full)
         self.last_choice = self._sender.choice
         t_open = time.perf_counter()
         self.last_group_kept = bool(plan.transfer.group_name)
@@ -324,6 +343,7 @@ class WeightPublisher:
         self.last_phases.update({f"send.{k}": v for k, v in sender.phases.items()})
         self.last_outcome = outcome
         sender.decided(outcome.version if outcome.committed else None)
+        self._committed_params = (layout, plan.params_digest) if outcome.committed and plan.params_digest else None
         if copier is not None and plan.copy is not None and self._sender is copier:
             if outcome.committed:
                 self._start_copy(copier, plan)

@@ -35,6 +35,7 @@ from rollout.contracts.sync_protocol import (
     PushRound,
     OfferUnknownError,
     PublishWait,
+    params_digest,
     ReloadRound,
     Round,
     RoundOutcome,
@@ -185,6 +186,9 @@ class Rounds:
         # these get it in full (see TransferInfo.reference).
         self._offer: Optional[Any] = None
         self._offer_holders: set[str] = set()
+        # (params_digest, params) of the last publish with such an offer: what a request
+        # naming its parameters by digest gets.
+        self._offer_params: Optional[tuple[str, tuple]] = None
         # Held from opening a round until its decision: one round at a time.
         self._lock = asyncio.Lock()
 
@@ -257,7 +261,9 @@ class Rounds:
         offer = plan.transfer_info if isinstance(plan, PushRound) else None
         slim = offer.reference() if isinstance(offer, TransferInfo) and offer is self._offer else None
         if slim is not None:
-            rnd.by_reference = dataclasses.replace(plan, transfer_info=slim)
+            # Its members that hold the offer hold these parameters too (the plan that gave
+            # them the offer carried them, under this digest): neither travels again.
+            rnd.by_reference = dataclasses.replace(plan, transfer_info=slim, params=())
             rnd.holders = frozenset(self._offer_holders & rnd.member_ids)
         self.current = rnd
         self.membership.wake(m.replica_id for m in plan.members)
@@ -298,8 +304,11 @@ class Rounds:
         """Validate a publish and open its round; no replica changes before this succeeds."""
         if self.membership.params is None:
             raise SyncError("no engine replica has registered yet")
-        check_spec(list(request.params), self.membership.params)
         offered = get_backend(self.backend).check_transfer_info(request.transfer_info)  # typed by the backend
+        if request.params or not request.params_digest:
+            check_spec(list(request.params), self.membership.params)
+        else:  # checked when they came in full (against the same served model)
+            request = self._params_by_digest(request, offered)
         if offered is not None:
             offered.check_params(request.params)  # a count per parameter, over HTTP as over Serve
         self.store.check_checkpoint(request.checkpoint)
@@ -322,6 +331,16 @@ class Rounds:
         await asyncio.sleep(0)
         # The publisher sent the offer: it gets it back named by id where it can be.
         return rnd.by_reference if rnd.by_reference is not None else plan
+
+    def _params_by_digest(self, request: RoundRequest, offered: Any) -> RoundRequest:
+        """``request`` with the parameters its digest names: those of the last publish with
+        an offer named by id, or OfferUnknownError (the publisher sends them in full then)."""
+        if not (isinstance(offered, TransferInfo) and offered.by_reference()):
+            raise InvalidRequestError("params_digest", "parameters go by digest only beside an offer named by id (transfer_info)")
+        held = self._offer_params
+        if held is None or held[0] != request.params_digest:
+            raise OfferUnknownError(f"params_digest: parameters {request.params_digest[:16]}… are not the ones this coordinator holds: send them in full")
+        return dataclasses.replace(request, params=held[1])
 
     def _complete_offer(self, offered: Any) -> Any:
         """``offered`` complete: an offer named by id (TransferInfo.by_reference) is the last
@@ -379,8 +398,14 @@ class Rounds:
         last = self._kept
         if request.reuse_group is not None and last is not None and last.transfer.group_name == request.reuse_group and last.layout == (members, world_size, keeper_rank):
             transfer = last.transfer
+        digest = ""
+        if isinstance(offered, TransferInfo) and offered.offer_id():
+            held = self._offer_params
+            digest = request.params_digest or (held[0] if held is not None and held[1] == request.params else params_digest(request.params))
+            self._offer_params = (digest, request.params)
         return PushRound(
             **self.fields("round", version, members, params=request.params),  # the publisher's order: its tensors and handles follow it
+            params_digest=digest,
             transfer=transfer,
             pause_mode=self.sync.pause_mode,
             keeper_rank=keeper_rank,

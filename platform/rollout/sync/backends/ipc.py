@@ -18,7 +18,8 @@ publisher names it by its id alone (:meth:`IpcTransferInfo.reference`): the coor
 keeps the last complete offer, puts its handles only into the plan of a member that did
 not receive that export in a committed round (one that joined or restarted since), and
 every other message of the round carries the id, not ~100 KiB of handles (under Ray's
-inline-object limit, issue 41). A member whose engine lacks the export anyway fails the
+inline-object limit, issue 41); the round's parameter list goes by its digest alongside
+(``RoundRequest.params_digest``, ``PushRound.params_digest``). A member whose engine lacks the export anyway fails the
 round (every replica keeps the committed version) and the next offer repeats the handles.
 
 The handles travel pickled (vLLM's ``ipc_handles_pickled``, a string that crosses vLLM's
