@@ -154,7 +154,30 @@ def test_refusals_name_what_is_wrong(vllm_steps, monkeypatch):
     with pytest.raises(ValueError, match="unpacked transfers only"):
         engine.start_weight_update()
     with pytest.raises(ValueError, match="ipc_handles_pickled"):
-        make_engine(model, trainer).parse_update_info({**trainer.info(), "ipc_handles_pickled": ""})
+        make_engine(model, trainer).parse_update_info({**trainer.info(), "ipc_handles_pickled": "", "export_id": ""})
+    # An export named by id alone (the coordinator believed this engine holds it) that the
+    # engine does not hold: the round fails before anything is copied.
+    engine = make_engine(model, trainer)
+    publish(engine, trainer.info("e1"))
+    before = snapshot(model)
+    engine.start_weight_update()
+    with pytest.raises(ValueError, match="names export e2 without its handles, but this engine holds e1"):
+        engine.update_weights({**trainer.info("e2"), "ipc_handles_pickled": ""})
+    assert same(snapshot(model), before)
+
+
+def test_an_export_the_engine_holds_named_by_id_alone_maps_nothing(vllm_steps):
+    model, twin = Toy(), Toy()
+    trainer = Trainer(weights_for(model.checkpoint_specs(), 1))
+    engine = make_engine(model, trainer)
+    publish(engine, trainer.info("e1"))
+    trainer.rebuilt.clear()
+    for t in trainer.weights.values():
+        t.add_(1.0)  # the optimizer step, in place
+    twin.load_weights(trainer.weights.items())
+    publish(engine, {**trainer.info("e1"), "ipc_handles_pickled": ""})
+    assert trainer.rebuilt == [] and engine.last_path == "direct"
+    assert same(snapshot(model), snapshot(twin))
 
 
 def test_the_ipc_backend_names_our_engine_and_the_plugin_registers_it_beside_vllms():

@@ -428,3 +428,31 @@ async def test_a_route_sessions_join_makes_the_next_publish_form_a_new_group_on_
         assert inits(engine) == 3
     finally:
         agent.stop()
+
+
+class StartFails(RecordingEngine):
+    """An engine whose start_weight_update fails; its update_weights then refuses, as vLLM's
+    worker does without an update session (the agent sends both before either answers)."""
+
+    async def start_weight_update(self, *args):
+        self.calls.append(("start_weight_update",))
+        raise RuntimeError("start failed")
+
+    async def update_weights(self, *args):
+        self.calls.append(("update_weights",))
+        await asyncio.sleep(0.05)  # answers after the start's failure was seen
+        raise RuntimeError("start_weight_update must be called before update_weights.")
+
+
+async def test_a_start_that_fails_fails_the_round_although_the_update_was_already_sent(model_dir, rendezvous):
+    coordinator, specs = nccl_coordinator(model_dir)
+    engine = StartFails()
+    agent = SyncAgent(engine=engine, coordinator=InProcess(coordinator), replica_id="a", ranks=1, model_path=str(model_dir))
+    await coordinator.register("a", 1, 0, specs)
+    plan, consistent, outcome = await publish_round(coordinator, agent, specs, rendezvous)
+    assert not outcome.committed and "start failed" in outcome.error and not consistent
+    # Sent back to back, in that order; the update's own refusal is retrieved, not leaked.
+    names = [c[0] for c in engine.calls]
+    assert names.index("start_weight_update") + 1 == names.index("update_weights")
+    await asyncio.sleep(0.1)
+    assert agent.version == 0

@@ -53,6 +53,21 @@ class TransferInfo:
         """``InvalidRequestError`` naming the field where the offer does not fit the round's
         parameters (the coordinator asks before the round opens)."""
 
+    def offer_id(self) -> str:
+        """The id under which a later offer may name this one instead of repeating it
+        (:meth:`reference`); "" where the backend names none."""
+        return ""
+
+    def by_reference(self) -> bool:
+        """This offer names an earlier one (:meth:`offer_id`) without repeating what it
+        carried: the coordinator completes it from the last complete offer of that id."""
+        return False
+
+    def reference(self) -> Optional["TransferInfo"]:
+        """This offer named by its id alone (what a receiver that already holds it needs),
+        or None where it cannot be named so."""
+        return None
+
     def update_fields(self) -> dict[str, Any]:
         """The fields it adds to vLLM's update info."""
         return asdict(self)
@@ -145,6 +160,14 @@ class Sender(ABC):
         """The round this sender last sent was decided: committed as ``version``, or
         aborted (None). A delta sender's base follows what is committed."""
 
+    def offer_unknown(self) -> None:
+        """The coordinator does not hold the offer this sender named by reference (it
+        restarted): the next :meth:`offer` repeats it in full."""
+
+    # Whether :meth:`send` moves anything: a sender whose replicas pull (``ipc``) is done
+    # once it offered, and the publisher then runs no send thread.
+    pushes: ClassVar[bool] = True
+
     def close(self) -> None:
         """Release the transfer group."""
 
@@ -193,6 +216,12 @@ class SyncBackend(ABC):
     # last joined (see SyncAgent). False where the engine keeps its group inside init
     # itself (gloo's) or has none: every round inits.
     engine_keeps_group: ClassVar[bool] = False
+    # Whether the receiving engine forms no group and its init info is the same every
+    # round, its init only recording it (vLLM's IPC engine: ``packed``). A replica then inits
+    # its engine once and skips the init on every later publish round while the engine
+    # still holds it, i.e. after a publish round this replica served (any other round, a
+    # failed one, a restore or a route session's, makes the next publish init again).
+    init_once: ClassVar[bool] = False
     # Whether the receiving engine digests what it receives (rollout.sync.digest): the
     # agent then names where in the update info (``digest_path``) and reports the digests.
     digests_received: ClassVar[bool] = False

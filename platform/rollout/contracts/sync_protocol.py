@@ -17,6 +17,11 @@ SYNC_TOKEN_ENV = "ROLLOUT_SYNC_TOKEN"  # where publishers and the coordinator fi
 DEFAULT_BUCKET_BYTES = 32 << 20  # bytes per packed bucket (sync.bucket_bytes)
 
 PauseMode = Literal["keep", "wait", "abort"]
+# When a publish returns (WeightPublisher.publish(wait=)): "serving", once every member
+# serves the version (its label set, generation resumed); "committed", at the decision:
+# every member received it and the round committed, but a member may still be labelling and
+# resuming (requests that need the version wait for it, as for any version in flight).
+PublishWait = Literal["serving", "committed"]
 # What vLLM's sleep mode puts to sleep (``vllm.v1.executor.abstract.SLEEP_TAGS``), as its
 # ``/wake_up?tags=`` names them: a trainer may wake the weights first (to publish into them)
 # and the KV cache last.
@@ -63,6 +68,12 @@ class DeltaBaseError(SyncError):
     """A delta names a base its receiver does not hold (another version, or bytes whose
     digest differs): it is refused before anything loads, never applied onto the wrong
     base (rollout.sync.delta). The publisher then sends in full."""
+
+
+class OfferUnknownError(SyncError):
+    """A publisher named an earlier offer by its id (an ``ipc`` export it offered before)
+    that the coordinator does not hold (it restarted, or another export came since):
+    refused before any round opens; the publisher offers in full instead."""
 
 
 class FleetAsleepError(SyncError):
@@ -138,6 +149,18 @@ class RoundRequest:
     # round's critical path. Empty: the copy receives in the round.
     copy_group: str = ""
     copy_port: int = 0
+    # ``params`` named by their digest (:func:`params_digest`) with ``params`` empty: those of
+    # the last publish the coordinator accepted with that digest. Only beside an offer named
+    # by id (TransferInfo.by_reference: ``ipc``, inside the cluster), as the handles are.
+    params_digest: str = ""
+
+
+def params_digest(params) -> str:
+    """A round's parameters (names, dtypes, shapes, in their order) as one sha256: what a
+    message names them by for a receiver that holds them (issue 41)."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(f"{p.name}\t{p.dtype}\t{','.join(map(str, p.shape))}" for p in params).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -299,6 +322,10 @@ class PushRound(_TransferRound):
     # The group of two over which the publisher sends the coordinator's copy once the
     # round commits (see RoundRequest.copy_group); None: no copy, or ``keeper_rank``.
     copy: Optional[CopyGroup] = None
+    # The digest of the round's ``params`` (params_digest) where its offer has an id; with
+    # ``params`` empty (the plan of a member that holds the offer), the member's own copy
+    # of the parameters of that digest, kept from the last plan that carried them.
+    params_digest: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()

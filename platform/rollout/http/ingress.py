@@ -266,7 +266,7 @@ class HttpIngress(VllmRlRoutes):
     @app.post("/v1/sync/rounds/{round_id}/finish", responses=SYNC_ERRORS)
     async def sync_finish(self, round_id: str, body: FinishBody, token: SyncCredential) -> dict:
         # The sync token, as for opening the round: the round id is public in /v1/sync/status.
-        outcome = await self._coordinator().finish(token, round_id, body.error, body.digests)
+        outcome = await self._coordinator().finish(token, round_id, body.error, body.digests, body.wait)
         return OUTCOME.dump_python(outcome, mode="json")
 
     @app.get("/v1/sync/status", dependencies=[Depends(require_key)], responses=SYNC_ERRORS)

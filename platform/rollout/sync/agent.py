@@ -4,7 +4,10 @@ rounds and drives vLLM's native protocol on its own engine.
 Per round: ``pause_generation(mode)`` → ``init_weight_transfer_engine`` →
 ``start_weight_update`` → ``update_weights`` (receives every bucket) →
 ``finish_weight_update`` while the coordinator decides → on commit
-``update_weight_version(version)`` → ``resume_generation``.
+``update_weight_version(version)`` → ``resume_generation``. The start and the update,
+and the label and the resume, go to the engine core back to back (it runs them in the
+order sent): one round trip each pair. The init is skipped where the engine keeps what it
+last joined (nccl's kept group; ipc's init, once per engine).
 A reload round from a committed checkpoint, and a storage round (a publish through
 shared storage), replace the transfer steps with vLLM's ``reload_weights(weights_path)``
 and the finish with ``update_weight_version``; a checkpoint with a manifest is verified
@@ -88,6 +91,12 @@ async def pause_for_update(engine: Any, mode: str, clear_cache: bool = True) -> 
     await pause_scheduler(engine, mode, clear_cache)
 
 
+def _settle(call: "asyncio.Future") -> None:
+    """Let an engine call sent right behind one that failed end on its own: its outcome
+    (most likely the engine's refusal, as nothing before it ran) is retrieved, not raised."""
+    call.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 async def check_reachable(where: Optional[tuple[str, int]], timeout_s: float) -> None:
     """Raise :class:`~rollout.contracts.net.RendezvousUnreachable` unless the rendezvous at
     ``where`` (``(address, port)``; None where the backend has none, as ``ipc``) takes a
@@ -143,6 +152,7 @@ class _Decision:
     outcome: RoundOutcome
     finish_error: Optional[str]  # the finish started before the decision failed
     serving: bool  # committed, finished and labelled: the replica serves the round's version
+    resumed: bool = False  # generation resumed with the label (sent right behind it)
 
 
 class SyncAgent:
@@ -191,6 +201,8 @@ class SyncAgent:
         # its group forgets it: any other round (failed, aborted, a restore, a route
         # session's) and a route session's join.
         self._engine_group: Optional[_Joined] = None
+        # (params_digest, params) of the last publish plan that carried them (see _round_params).
+        self._params_held: Optional[tuple[str, tuple]] = None
         # The LoRA adapters this replica's engine serves (published as AdapterRounds).
         self.adapters = ServedAdapters(engine, replica_id)
         self.adapter_rounds = AdapterRounds(self.adapters, self.coordinator, replica_id, report=lambda plan, error: self._report(plan, error), version=lambda: self.version)
@@ -478,19 +490,19 @@ class SyncAgent:
         # salting; the trainer's own /pause and /reset_prefix_cache act as vLLM's do).
         carried = self.salts.pause()
         flush = not self.salts.salting or self.held or (mode == "keep" and carried)
-        consistent = False
+        consistent = resumed = False
         try:
             async with clock("pause"):
                 await asyncio.wait_for(pause_for_update(self.engine, mode, clear_cache=flush), limits.round_s)
             moved = refused if refused is not None else await self._transfer(plan, clock, limits, kept)
             decision = await self._decide(plan, moved, clock, limits)
+            resumed = decision.resumed
             if decision.serving:
                 self._engine_group = moved.joined
             consistent = decision.serving or await self._recover(plan, moved, decision, limits)
         finally:
-            # Not while any tag sleeps (a round under a partial wake): vLLM's wake resumes
-            # the scheduler once every tag is awake again.
-            if consistent and not self.held and not self.awaiting_publish and self.sleep.state is None:
+            # A round that served its version resumed with its label (_decide).
+            if consistent and not resumed and self._resumes_after_round():
                 async with clock("resume"):
                     await self.engine.resume_generation()
             # A round that leaves the engine paused waits for a restore, which pauses
@@ -575,9 +587,15 @@ class SyncAgent:
             raise DeltaBaseError(f"{plan.round_id} is a delta onto version {base}; replica {self.replica_id} serves version {self.version}")
         async with clock("join"):  # ~0 where the engine keeps its group
             init_info = backend.engine_init_info(plan, plan.member(self.replica_id))
-            joined = _Joined(plan.group, init_info) if isinstance(plan, PushRound) else None
+            # An engine that forms no group (init_once: ipc) is known by its init info alone.
+            group = "" if backend.init_once else plan.group
+            joined = _Joined(group, init_info) if isinstance(plan, PushRound) else None
             named = plan.transfer.group_name  # a kept group the coordinator names, or ""
-            if backend.engine_keeps_group and named and joined == kept:
+            if backend.init_once and joined is not None and joined == kept:
+                # Its last init (in the last publish round this replica served) set exactly
+                # this: one engine round trip less per steady round (issue 41).
+                logger.debug("replica %s: %s: the engine keeps its %s init (no init)", self.replica_id, plan.round_id, plan.backend)
+            elif backend.engine_keeps_group and named and joined == kept:
                 # The engine holds this group from the last round this replica served: an
                 # init would form a new communicator the trainer does not join.
                 logger.info("replica %s: %s: the engine keeps transfer group %s (no init)", self.replica_id, plan.round_id, named)
@@ -593,8 +611,20 @@ class SyncAgent:
                     await check_reachable(backend.rendezvous(plan), limits.round_s)
                 await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), limits.step_s)
         moved.joined = joined
-        await self._start_update(moved, clock, limits)
-        await self._receive(plan, backend.update_info(plan.params, offered), clock, limits, moved)
+        await self._receive(plan, backend.update_info(self._round_params(plan), offered), clock, limits, moved, start=True)
+
+    def _round_params(self, plan: Union[PushRound, PullRound]) -> tuple:
+        """The round's parameters: the plan's, or, where it names them by digest alone (a
+        member that holds its offer: ipc), those of the last plan that carried them."""
+        digest = plan.params_digest if isinstance(plan, PushRound) else ""
+        if plan.params or not digest:
+            if digest:
+                self._params_held = (digest, plan.params)
+            return plan.params
+        if self._params_held is None or self._params_held[0] != digest:
+            # Nothing was loaded: the round fails, and the next gives every member its offer in full.
+            raise ValueError(f"{plan.round_id} names its parameters by digest {digest[:16]}…, which this replica does not hold")
+        return self._params_held[1]
 
     async def _receive_in_session(self, plan: SessionRound, moved: _Transferred, clock: PhaseClock, limits: _Limits) -> None:
         # A route session's members joined its group at the session's start.
@@ -608,7 +638,9 @@ class SyncAgent:
             await asyncio.wait_for(self.engine.start_weight_update(), limits.step_s)
         moved.loaded = True
 
-    async def _receive(self, plan: Round, update_info: dict, clock: PhaseClock, limits: _Limits, moved: _Transferred) -> None:
+    async def _receive(self, plan: Round, update_info: dict, clock: PhaseClock, limits: _Limits, moved: _Transferred, *, start: bool = False) -> None:
+        """vLLM's ``update_weights``; with ``start``, its ``start_weight_update`` first, both
+        sent before either answers (below)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         # Where the backend's engine digests what it receives, it leaves the digests at a
@@ -616,8 +648,28 @@ class SyncAgent:
         path = digest.received_path(self.replica_id, plan.round_id) if get_backend(plan.backend).digests_received else None
         if path is not None:
             update_info = {**update_info, "digest_path": path}
-        async with clock("receive"):
-            await asyncio.wait_for(self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info)), limits.step_s)
+        request = WeightTransferUpdateRequest(update_info=update_info)
+        if start:
+            # The start and the update go to the engine core back to back: each call's
+            # message is sent as its task first runs, in creation order, over one socket,
+            # and the engine core runs utility calls in the order they arrive. So the update
+            # runs right after the start, without waiting a round trip for the start's
+            # answer (issue 41). A start that fails leaves the worker with no update
+            # session, and its update_weights then refuses before touching a weight.
+            moved.loaded = True  # before sending: at worst an extra restore
+            starting = asyncio.ensure_future(self.engine.start_weight_update())
+            updating = asyncio.ensure_future(self.engine.update_weights(request))
+            try:
+                async with clock("start"):
+                    await asyncio.wait_for(starting, limits.step_s)
+            except BaseException:
+                _settle(updating)
+                raise
+            async with clock("receive"):
+                await asyncio.wait_for(updating, limits.step_s)
+        else:
+            async with clock("receive"):
+                await asyncio.wait_for(self.engine.update_weights(request), limits.step_s)
         if path is not None:
             got = digest.read_received(path)
             if got is not None:
@@ -645,12 +697,31 @@ class SyncAgent:
         finish_error = await self._finished(moved.finishing, clock)
         if not outcome.committed or finish_error is not None:
             return _Decision(outcome, finish_error, serving=False)
-        async with clock("version"):
-            # Tokens are labelled with the engine's version from the resume on.
-            await asyncio.wait_for(self.engine.update_weight_version(str(outcome.version)), limits.round_s)
+        # Tokens are labelled with the engine's version from the resume on. The label and
+        # the resume go to the engine core back to back (one round trip, not two: issue 41):
+        # it runs them in the order sent, so no token is computed after the resume under
+        # the old label. Only a dead engine core fails the label, and then the resume too.
+        labelling = asyncio.ensure_future(self.engine.update_weight_version(str(outcome.version)))
+        resuming = asyncio.ensure_future(self.engine.resume_generation()) if self._resumes_after_round() else None
+        try:
+            async with clock("version"):
+                await asyncio.wait_for(labelling, limits.round_s)
+        except BaseException:
+            if resuming is not None:
+                _settle(resuming)
+            raise
         self.version = outcome.version
         self.awaiting_publish = None  # every round carries the full model: whole weights again
-        return _Decision(outcome, None, serving=True)
+        if resuming is not None:
+            async with clock("resume"):
+                await asyncio.wait_for(resuming, limits.round_s)
+        return _Decision(outcome, None, serving=True, resumed=resuming is not None)
+
+    def _resumes_after_round(self) -> bool:
+        """Whether a round that leaves consistent weights resumes generation: not under a
+        trainer's hold, nor while waiting for a publish, nor while any tag sleeps (a round
+        under a partial wake: vLLM's wake resumes the scheduler once every tag is awake)."""
+        return not self.held and not self.awaiting_publish and self.sleep.state is None
 
     async def _recover(self, plan: Round, moved: _Transferred, decision: _Decision, limits: _Limits) -> bool:
         """What a round that does not serve its version leaves; whether the weights are

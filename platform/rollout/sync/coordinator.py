@@ -23,7 +23,7 @@ import logging
 from typing import Any, Optional, Union
 
 from rollout.config import PlatformConfig
-from rollout.contracts.sync_protocol import REREGISTER, AdapterRemovalRound, AdapterRequest, AdapterRound, CommittedAdapters, Control, FinishUpdate, FleetQuery, HeldAdapter, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SleepFleet, SleepUnavailableError, SyncError, WakeFleet, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
+from rollout.contracts.sync_protocol import REREGISTER, AdapterRemovalRound, AdapterRequest, AdapterRound, CommittedAdapters, Control, FinishUpdate, FleetQuery, HeldAdapter, LoadAdapter, OpenSession, UnloadAdapter, ParamSpec, Pause, Update, RouteCommand, SleepFleet, SleepUnavailableError, SyncError, WakeFleet, PublishWait, PullRound, PushRound, ReloadRound, Reregister, Round, RoundOutcome, RoundRequest, SessionPlan, StorageRequest, StorageRound
 from rollout.errors import AdapterNotFoundError
 from rollout.logs import show_platform_logs
 from rollout.sync.auth import SyncAuth
@@ -75,6 +75,7 @@ class WeightSyncCoordinator:
         if self.metrics is not None and self._gauges_task is None:
             self._gauges_task = asyncio.get_running_loop().create_task(self._update_gauges())
         self.membership.register(replica_id, ranks, version, params)
+        self.rounds.forget_holder(replica_id)
         self.store.learn(version)
         self.store.learn_adapters(replica_id, tuple(adapters))
         logger.info("replica %s registered at version %d (committed %d)", replica_id, version, self.store.version)
@@ -200,13 +201,21 @@ class WeightSyncCoordinator:
         self.membership.seen(replica_id)
         return await self.rounds.report(round_id, replica_id, error, unreachable, digests=digests)
 
-    async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
+    async def finish(
+        self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None, wait: PublishWait = "serving"
+    ) -> RoundOutcome:
         """The trainer sent everything (or, with ``error``, aborts the round). It takes the
         credential :meth:`begin_round` takes: round ids are public (``status``), and without
         it anyone with the API key could abort a round, or finish one early. ``digests``:
-        the per-tensor digests of what the trainer sent (see :mod:`rollout.sync.digest`)."""
+        the per-tensor digests of what the trainer sent (see :mod:`rollout.sync.digest`).
+        ``wait``: answer once every member serves the version ("serving"), or at the
+        decision ("committed"; see :data:`PublishWait`)."""
         await self._authorize(token)
-        return await self.rounds.finish(round_id, error, digests=digests)
+        if wait not in ("serving", "committed"):
+            from rollout.errors import InvalidRequestError
+
+            raise InvalidRequestError("wait", f"must be 'serving' or 'committed', not {wait!r}")
+        return await self.rounds.finish(round_id, error, digests=digests, wait=wait)
 
     async def applied(self, round_id: str, replica_id: str, version: int, phases: Optional[dict[str, float]] = None) -> None:
         """A member finished applying the decision (serving ``version`` again);

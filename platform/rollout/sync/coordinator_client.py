@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from rollout.contracts.sync_protocol import Control, CoordinatorUnreachableError, SyncError
+from rollout.contracts.sync_protocol import Control, CoordinatorUnreachableError, PublishWait, SyncError
 from rollout.errors import unwrap_remote
 
 if TYPE_CHECKING:
@@ -93,8 +93,10 @@ class CoordinatorHandle:
     async def unload_adapter(self, token: Optional[str], name: str) -> RoundOutcome:
         return await _answer(self._handle.unload_adapter.remote(token, name))
 
-    async def finish(self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
-        return await _answer(self._handle.finish.remote(token, round_id, error, *_trailing(digests)))
+    async def finish(
+        self, token: Optional[str], round_id: str, error: Optional[str] = None, digests: Optional[dict[str, str]] = None, wait: PublishWait = "serving"
+    ) -> RoundOutcome:
+        return await _answer(self._handle.finish.remote(token, round_id, error, *_trailing(digests, wait if wait != "serving" else None)))
 
     async def status(self) -> dict[str, Any]:
         return await _answer(self._handle.status.remote())
@@ -151,9 +153,16 @@ class BlockingCoordinatorHandle:
         return self._result(lambda: self.handle.unload_adapter.remote(token, name), "unload_adapter", timeout_s)
 
     def finish(
-        self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
+        self,
+        token: Optional[str],
+        round_id: str,
+        error: Optional[str],
+        timeout_s: Optional[float] = None,
+        digests: Optional[dict[str, str]] = None,
+        *,
+        wait: PublishWait = "serving",
     ) -> RoundOutcome:
-        return self._result(lambda: self.handle.finish.remote(token, round_id, error, *_trailing(digests)), "finish", timeout_s)
+        return self._result(lambda: self.handle.finish.remote(token, round_id, error, *_trailing(digests, wait if wait != "serving" else None)), "finish", timeout_s)
 
     def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]:
         return self._result(lambda: self.handle.status.remote(), "status", timeout_s)

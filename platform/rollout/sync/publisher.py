@@ -25,16 +25,18 @@ from typing import Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from rollout.contracts import net
-from rollout.contracts.backend import CopySender, SendChoice, Sender
-from rollout.contracts.backend_registry import make_sender
+from rollout.contracts.backend import CopySender, SendChoice, Sender, TransferInfo
+from rollout.contracts.backend_registry import get_backend, make_sender
 from rollout.contracts.sync_protocol import (
     COORDINATOR_NAME,
     AdapterRequest,
     SYNC_TOKEN_ENV,
     CoordinatorUnreachableError,
     DeltaBaseError,
+    OfferUnknownError,
     ParamSpec,
     PublisherUnreachableError,
+    PublishWait,
     PushRound,
     RoundOutcome,
     RoundRequest,
@@ -108,6 +110,11 @@ def _send_with_deadline(sender: Sender, plan: PushRound, tensors, decided: Calla
             return "the round ended while sending (a member failed); the send was abandoned"
 
 
+def _by_reference(offered) -> bool:
+    """The sender named its offer by id (see TransferInfo.by_reference)."""
+    return isinstance(offered, TransferInfo) and offered.by_reference()
+
+
 def _decided(coordinator: CoordinatorClient, round_id: str) -> Callable[[], bool]:
     def check() -> bool:
         try:
@@ -143,6 +150,10 @@ class WeightPublisher:
         self._backend_resolved: Optional[str] = None
         # The coordinator's copy of the last committed round, still being sent (the thread, its deadline).
         self._copy: Optional[tuple[threading.Thread, float]] = None
+        # The last publish's ParamSpecs, by what they were made of (names, dtypes, shapes).
+        self._specs: Optional[tuple[tuple, list[ParamSpec]]] = None
+        # (layout, params_digest) of the last round that committed with an offer named by id.
+        self._committed_params: Optional[tuple[tuple, str]] = None
 
     @classmethod
     def connect(
@@ -185,11 +196,21 @@ class WeightPublisher:
         """
         return cls(HttpCoordinator(base_url, api_key, timeout_s), backend, _token(token), ports=ports)
 
-    def publish(self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None, *, delta: bool = True) -> int:
+    def publish(
+        self, named_tensors: NamedTensors, version: Optional[int] = None, checkpoint: Optional[str] = None, *, delta: bool = True, wait: PublishWait = "serving"
+    ) -> int:
         """Send weights to every live replica; return the committed version once every
         replica serves it. A replica that does not confirm within the step deadline
         (``sync.timeout_s``) does not hold the trainer longer: the version stays committed,
         a warning names the replica and ``last_outcome.unconfirmed`` lists it.
+
+        ``wait="committed"`` returns at the commit instead: every replica received the
+        weights and the round committed (all or none, as always), but a replica may still be
+        labelling the version and resuming generation for a few milliseconds. Requests that
+        need the version (``min_weight_version``, ``max_staleness``) wait for it as for any
+        version in flight; ``last_outcome`` then has no replica phases and no
+        ``unconfirmed`` (``status()`` has both once the replicas confirm). It saves the
+        trainer the replicas' label, resume and confirmation (issue 41).
 
         ``checkpoint``: an absolute path where these same weights are saved (HF
         safetensors, e.g. ``save_pretrained``) on storage every replica can read. Once
@@ -215,12 +236,17 @@ class WeightPublisher:
         ``FleetAsleepError`` (a ``SyncError``) says the replicas' weights sleep (a co-located
         trainer's ``/sleep``, ``RolloutClient.sleep``): nothing opened; wake them first.
         """
+        if wait not in ("serving", "committed"):
+            raise InvalidRequestError("wait", f"must be 'serving' or 'committed' (PublishWait), not {wait!r}")
         t0 = time.perf_counter()
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         # Left where they are: each sender moves what it needs (gloo a bucket at a time
         # to the host, nccl and ipc stay on the GPU).
         tensors = {name: t.detach() for name, t in items}
-        specs = [ParamSpec.of(n, t) for n, t in tensors.items()]
+        # What the specs are made of: the same (the steady state) reuses the last ones.
+        layout = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        specs = self._specs[1] if self._specs is not None and self._specs[0] == layout else [ParamSpec.of(n, t) for n, t in tensors.items()]
+        self._specs = (layout, specs)
         backend = self._platform_backend()
         self.flush()  # one copy at a time, in the order of the commits
         if self._sender is None:
@@ -228,8 +254,10 @@ class WeightPublisher:
         # A sender that feeds the coordinator's copy says where that copy goes (see CopySender).
         copier = self._sender if isinstance(self._sender, CopySender) else None
         copy = copier.copy_offer(self.ports, self._ports_setting) if copier is not None else None
-        advertised = net.choose(toward=self._coordinator.host)
-        if not net.is_local(advertised.address):
+        # A backend without a rendezvous (ipc: replicas read the offered handles) advertises
+        # no address and no port: nothing connects to this process.
+        advertised = net.choose(toward=self._coordinator.host) if get_backend(backend).has_rendezvous else None
+        if advertised is not None and not net.is_local(advertised.address):
             # Found here, before any replica pauses, rather than as the transport's failure
             # to bind mid-round.
             raise SyncError(
@@ -239,18 +267,24 @@ class WeightPublisher:
         # A delta sender prices a delta against what it last committed (rollout.sync.delta);
         # its offer travels over Serve or, typed, over HTTP (rollout.sync.remote).
         self._sender.prepare(list(tensors.items()), None if delta else "publish(delta=False)")
+        offered = self._sender.offer(list(tensors.values()))
+        # Beside an offer named by id, the parameters go by their digest where the last round
+        # committed these same ones (the coordinator and every member that holds the offer keep them).
+        by_digest = self._committed_params[1] if self._committed_params is not None and self._committed_params[0] == layout and _by_reference(offered) else ""
         request = RoundRequest(
-            params=tuple(specs),
-            master_address=advertised.address,
+            params=() if by_digest else tuple(specs),
+            params_digest=by_digest,
+            master_address=advertised.address if advertised is not None else "",
             # Not the copy's port: free until the copy's rendezvous binds it after the round.
-            master_port=net.free_port(self.ports, self._ports_setting, taken=(copy.port,) if copy is not None else ()),
+            master_port=net.free_port(self.ports, self._ports_setting, taken=(copy.port,) if copy is not None else ()) if advertised is not None else 0,
             version=version,
             reuse_group=self._sender.group_name,
-            transfer_info=self._sender.offer(list(tensors.values())),
+            transfer_info=offered,
             checkpoint=checkpoint,
             copy_group=copy.group_name if copy is not None else "",
             copy_port=copy.port if copy is not None else 0,
         )
+        t_asked = time.perf_counter()
         try:
             plan = self._coordinator.begin_round(self._token, request)
         except DeltaBaseError as e:
@@ -259,11 +293,22 @@ class WeightPublisher:
             logger.warning("the coordinator refused the delta (%s): sending in full", e)
             self._sender.prepare(list(tensors.items()), f"the coordinator refused the delta ({e})")
             plan = self._coordinator.begin_round(self._token, replace(request, transfer_info=self._sender.offer(list(tensors.values()))))
+        except OfferUnknownError as e:
+            # The coordinator no longer holds the offer named by id (it restarted): nothing
+            # opened; offer it in full.
+            logger.warning("the coordinator does not hold the offer named by id (%s): offering it in full", e)
+            self._sender.offer_unknown()
+            self._committed_params = None
+            full = replace(request, params=tuple(specs), params_digest="", transfer_info=self._sender.offer(list(tensors.values())))
+            plan = self._coordinator.begin_round(self._token, full)
         self.last_choice = self._sender.choice
         t_open = time.perf_counter()
         self.last_group_kept = bool(plan.transfer.group_name)
         sender = self._sender
-        error = _send_with_deadline(sender, plan, [tensors[p.name] for p in plan.params], _decided(self._coordinator, plan.round_id))
+        if sender.pushes:
+            error = _send_with_deadline(sender, plan, [tensors[p.name] for p in plan.params], _decided(self._coordinator, plan.round_id))
+        else:
+            error = None  # its replicas pull what it offered: nothing to send, no thread to wait on
         if error:
             logger.error("sending %s failed: %s", plan.round_id, error)
             # A sender thread abandoned at the deadline may still hold the group.
@@ -276,6 +321,8 @@ class WeightPublisher:
             bound = _finish_bound_s(plan, error, t_sent - t_open)
             # Passed only where the sender digested (stand-ins for backends without digests need not take it).
             extra = {"digests": sent_digests} if sent_digests is not None else {}
+            if wait != "serving":  # passed only where asked (stand-ins for the coordinator need not take it)
+                extra["wait"] = wait
             outcome = self._coordinator.finish(self._token, plan.round_id, error, timeout_s=bound, **extra)
         except CoordinatorUnreachableError as e:
             # Whether the round committed is unknown: its group is not reused. After a clean
@@ -290,10 +337,13 @@ class WeightPublisher:
             ) from None
         t_done = time.perf_counter()
         # Where the trainer's time went; the replicas' own steps are in outcome.phases.
-        self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent}
+        # "open.prepare": this process's work before asking (specs, offer); "open.ask": the
+        # coordinator's answer to begin_round (its checks, the members woken, the legs).
+        self.last_phases = {"open": t_open - t0, "send": t_sent - t_open, "commit": t_done - t_sent, "open.prepare": t_asked - t0, "open.ask": t_open - t_asked}
         self.last_phases.update({f"send.{k}": v for k, v in sender.phases.items()})
         self.last_outcome = outcome
         sender.decided(outcome.version if outcome.committed else None)
+        self._committed_params = (layout, plan.params_digest) if outcome.committed and plan.params_digest else None
         if copier is not None and plan.copy is not None and self._sender is copier:
             if outcome.committed:
                 self._start_copy(copier, plan)
@@ -302,7 +352,7 @@ class WeightPublisher:
         if outcome.unreachable:
             raise PublisherUnreachableError(
                 f"{plan.round_id} aborted: the replicas cannot reach this publisher at {outcome.unreachable}, "
-                f"the address it advertised ({advertised.source}), {net.describe_port(plan.transfer.master_port, self.ports, self._ports_setting)}: "
+                f"the address it advertised ({advertised.source if advertised is not None else 'none'}), {net.describe_port(plan.transfer.master_port, self.ports, self._ports_setting)}: "
                 f"{outcome.error}. Set {net.ADDRESS_ENV} to an address of this host that the replicas reach, and let them "
                 f"connect to that port; replicas keep version {outcome.version}",
                 plan.transfer.master_address,

@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 
 from rollout.api import NonNegativeInt, _integral
 from rollout.contracts.backend import TransferInfo
-from rollout.contracts.sync_protocol import AdapterRequest, CoordinatorUnreachableError, ParamSpec, PushRound, RoundOutcome, RoundRequest, StorageRequest, StorageRound, SyncError
+from rollout.contracts.sync_protocol import AdapterRequest, CoordinatorUnreachableError, ParamSpec, PublishWait, PushRound, RoundOutcome, RoundRequest, StorageRequest, StorageRound, SyncError
 from rollout.errors import InvalidRequestError, loc_to_field
 from rollout.sync.auth import SYNC_TOKEN_HEADER
 from rollout.sync.backends.delta_info import DENSE, INT32_MAX, GlooDelta, SparseNcclDelta
@@ -236,6 +236,10 @@ class FinishBody(BaseModel):
     digests: Optional[dict[str, str]] = Field(
         default=None, description="Per-tensor digests (rollout.sync.digest: position-weighted 64-bit sums and the byte length) of the bytes sent, by parameter name; a replica that received other bytes fails the round."
     )
+    wait: PublishWait = Field(
+        default="serving",
+        description="When to answer: 'serving', once every member serves the version; 'committed', at the decision (every member received it; some may still be resuming).",
+    )
 
 
 class CoordinatorClient(Protocol):
@@ -255,11 +259,19 @@ class CoordinatorClient(Protocol):
     def unload_adapter(self, token: Optional[str], name: str, timeout_s: Optional[float] = None) -> RoundOutcome: ...
 
     def finish(
-        self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
+        self,
+        token: Optional[str],
+        round_id: str,
+        error: Optional[str],
+        timeout_s: Optional[float] = None,
+        digests: Optional[dict[str, str]] = None,
+        *,
+        wait: PublishWait = "serving",
     ) -> RoundOutcome:
         """``error`` None: the trainer sent everything; else it aborts the round. Takes the
         same credential as :meth:`begin_round`: a round's id is public (``status``).
-        ``digests``: per-tensor digests of what was sent (:mod:`rollout.sync.digest`)."""
+        ``digests``: per-tensor digests of what was sent (:mod:`rollout.sync.digest`).
+        ``wait``: when to answer (:data:`PublishWait`)."""
         ...
 
     def status(self, timeout_s: Optional[float] = None) -> dict[str, Any]: ...
@@ -307,9 +319,16 @@ class HttpCoordinator:
         return STORAGE_PLAN.validate_python(self._post("/v1/sync/storage-rounds", body, token))
 
     def finish(
-        self, token: Optional[str], round_id: str, error: Optional[str], timeout_s: Optional[float] = None, digests: Optional[dict[str, str]] = None
+        self,
+        token: Optional[str],
+        round_id: str,
+        error: Optional[str],
+        timeout_s: Optional[float] = None,
+        digests: Optional[dict[str, str]] = None,
+        *,
+        wait: PublishWait = "serving",
     ) -> RoundOutcome:
-        body = FinishBody(error=error, digests=digests).model_dump(mode="json")
+        body = FinishBody(error=error, digests=digests, wait=wait).model_dump(mode="json")
         return OUTCOME.validate_python(self._post(f"/v1/sync/rounds/{round_id}/finish", body, token, timeout_s))
 
     def publish_adapter(self, token: Optional[str], request: AdapterRequest, timeout_s: Optional[float] = None) -> RoundOutcome:

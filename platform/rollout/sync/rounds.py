@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Union
 
-from rollout.contracts.backend import delta_base_of
+from rollout.contracts.backend import TransferInfo, delta_base_of
 from rollout.contracts.backend_registry import get_backend
 from rollout.contracts.sync_protocol import (
     RESTORE_ROUNDS,
@@ -33,6 +33,9 @@ from rollout.contracts.sync_protocol import (
     Member,
     PullRound,
     PushRound,
+    OfferUnknownError,
+    PublishWait,
+    params_digest,
     ReloadRound,
     Round,
     RoundOutcome,
@@ -93,6 +96,10 @@ class RoundState:
     missing: set[str] = field(init=False)  # members that have not reported
     failed: set[str] = field(init=False)  # replicas whose report is an error
     applied_members: int = 0
+    # The plan as members that hold its offer get it (the offer named by id alone, see
+    # TransferInfo.reference), and who they are; None: every member gets ``plan``.
+    by_reference: Optional[Round] = None
+    holders: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.version = self.version or self.plan.version
@@ -120,8 +127,10 @@ class RoundState:
     def plan_for(self, replica_id: str) -> Round:
         """The plan as one member receives it: only its own entry of ``members`` (its rank
         offset; the world size says the rest). The whole list to every member would make
-        the bytes a round sends grow with the square of the members."""
-        return dataclasses.replace(self.plan, members=(self.by_id[replica_id],)) if len(self.plan.members) > 1 else self.plan
+        the bytes a round sends grow with the square of the members. A member that holds
+        the round's offer gets it named by id alone."""
+        plan = self.by_reference if self.by_reference is not None and replica_id in self.holders else self.plan
+        return dataclasses.replace(plan, members=(self.by_id[replica_id],)) if len(plan.members) > 1 else plan
 
     def complete(self) -> bool:
         """Every participant reported (or one failed): the round can be decided."""
@@ -171,6 +180,15 @@ class Rounds:
         # replica -> (version, combined digest) of the weights it received in the last
         # round it committed: what status() shows beside each replica's version.
         self.replica_digests: dict[str, tuple[int, str]] = {}
+        # The last complete offer a publisher named an id for (an ipc export: its handles),
+        # and the replicas that received it in a committed round (their engines hold it):
+        # a later offer naming it by id is completed from it, and only members not among
+        # these get it in full (see TransferInfo.reference).
+        self._offer: Optional[Any] = None
+        self._offer_holders: set[str] = set()
+        # (params_digest, params) of the last publish with such an offer: what a request
+        # naming its parameters by digest gets.
+        self._offer_params: Optional[tuple[str, tuple]] = None
         # Held from opening a round until its decision: one round at a time.
         self._lock = asyncio.Lock()
 
@@ -240,6 +258,13 @@ class Rounds:
             listener.opening(plan)
         copy_rank = plan.keeper_rank if isinstance(plan, (PushRound, SessionRound)) else None
         rnd = RoundState(plan=plan, deadline=time.monotonic() + 3 * plan.timeout_s, copy_rank=copy_rank)
+        offer = plan.transfer_info if isinstance(plan, PushRound) else None
+        slim = offer.reference() if isinstance(offer, TransferInfo) and offer is self._offer else None
+        if slim is not None:
+            # Its members that hold the offer hold these parameters too (the plan that gave
+            # them the offer carried them, under this digest): neither travels again.
+            rnd.by_reference = dataclasses.replace(plan, transfer_info=slim, params=())
+            rnd.holders = frozenset(self._offer_holders & rnd.member_ids)
         self.current = rnd
         self.membership.wake(m.replica_id for m in plan.members)
         loop = asyncio.get_running_loop()
@@ -279,8 +304,11 @@ class Rounds:
         """Validate a publish and open its round; no replica changes before this succeeds."""
         if self.membership.params is None:
             raise SyncError("no engine replica has registered yet")
-        check_spec(list(request.params), self.membership.params)
         offered = get_backend(self.backend).check_transfer_info(request.transfer_info)  # typed by the backend
+        if request.params or not request.params_digest:
+            check_spec(list(request.params), self.membership.params)
+        else:  # checked when they came in full (against the same served model)
+            request = self._params_by_digest(request, offered)
         if offered is not None:
             offered.check_params(request.params)  # a count per parameter, over HTTP as over Serve
         self.store.check_checkpoint(request.checkpoint)
@@ -288,15 +316,51 @@ class Rounds:
         async with self.opening():
             refuse_round(self.membership.control.sleep, "a publish")  # under the lock: a /sleep may have come while it waited
             self._check_delta_base(offered)  # under the lock: no commit moves the base meanwhile
+            offered = self._complete_offer(offered)  # under the lock: no round moves the last offer meanwhile
             plan = self._plan_push(request, offered)
             self.store.offered(plan.round_id, request.checkpoint)
-            self.open(plan)
+            rnd = self.open(plan)
         logger.info(
             "opened %s: version %d to %d replicas (world size %d, %s)",
             plan.round_id, plan.version, len(plan.members), plan.transfer.world_size,
             f"reusing group {plan.transfer.group_name}" if plan.transfer.group_name else "new group",
         )
-        return plan
+        # The members' plans before the publisher's answer: a member's plan is on the
+        # round's critical path, the publisher's answer is not (its finish waits for the
+        # members anyway). The woken long polls run before this call returns.
+        await asyncio.sleep(0)
+        # The publisher sent the offer: it gets it back named by id where it can be.
+        return rnd.by_reference if rnd.by_reference is not None else plan
+
+    def _params_by_digest(self, request: RoundRequest, offered: Any) -> RoundRequest:
+        """``request`` with the parameters its digest names: those of the last publish with
+        an offer named by id, or OfferUnknownError (the publisher sends them in full then)."""
+        if not (isinstance(offered, TransferInfo) and offered.by_reference()):
+            raise InvalidRequestError("params_digest", "parameters go by digest only beside an offer named by id (transfer_info)")
+        held = self._offer_params
+        if held is None or held[0] != request.params_digest:
+            raise OfferUnknownError(f"params_digest: parameters {request.params_digest[:16]}… are not the ones this coordinator holds: send them in full")
+        return dataclasses.replace(request, params=held[1])
+
+    def _complete_offer(self, offered: Any) -> Any:
+        """``offered`` complete: an offer named by id (TransferInfo.by_reference) is the last
+        complete offer of that id, or OfferUnknownError (the publisher offers in full
+        then). A complete offer with another id replaces the one kept, and nobody holds it yet."""
+        if not isinstance(offered, TransferInfo) or not offered.offer_id():
+            return offered
+        if offered.by_reference():
+            if self._offer is None or self._offer.offer_id() != offered.offer_id():
+                held = self._offer.offer_id() if self._offer is not None else "none"
+                raise OfferUnknownError(f"transfer_info: offer {offered.offer_id()} named by id is not the one this coordinator holds ({held}): offer it in full")
+            return self._offer
+        if self._offer is None or self._offer.offer_id() != offered.offer_id():
+            self._offer_holders = set()
+        self._offer = offered
+        return offered
+
+    def forget_holder(self, replica_id: str) -> None:
+        """``replica_id`` (re)registered: its engine may not hold the kept offer."""
+        self._offer_holders.discard(replica_id)
 
     def _check_delta_base(self, offered: Any) -> None:
         """A delta (rollout.sync.delta) applies only onto the committed version, and onto
@@ -334,8 +398,14 @@ class Rounds:
         last = self._kept
         if request.reuse_group is not None and last is not None and last.transfer.group_name == request.reuse_group and last.layout == (members, world_size, keeper_rank):
             transfer = last.transfer
+        digest = ""
+        if isinstance(offered, TransferInfo) and offered.offer_id():
+            held = self._offer_params
+            digest = request.params_digest or (held[0] if held is not None and held[1] == request.params else params_digest(request.params))
+            self._offer_params = (digest, request.params)
         return PushRound(
             **self.fields("round", version, members, params=request.params),  # the publisher's order: its tensors and handles follow it
+            params_digest=digest,
             transfer=transfer,
             pause_mode=self.sync.pause_mode,
             keeper_rank=keeper_rank,
@@ -462,12 +532,13 @@ class Rounds:
         await rnd.decided.wait()
         return rnd.outcome
 
-    async def finish(self, round_id: str, error: Optional[str] = None, *, digests: Optional[dict[str, str]] = None) -> RoundOutcome:
+    async def finish(self, round_id: str, error: Optional[str] = None, *, digests: Optional[dict[str, str]] = None, wait: PublishWait = "serving") -> RoundOutcome:
         """The sender is done (or, with ``error``, aborts): wait for the decision and, after
         a commit, for the members to serve it, so a publisher that returns finds every
         replica on the new version (it never waits longer than one step deadline).
         ``digests``: the sender's per-tensor digests of what it sent; every member's must
-        equal them for the round to commit."""
+        equal them for the round to commit. ``wait`` "committed": return at the decision
+        (the members' phases and ``unconfirmed`` then reach status() only)."""
         past = self.past_outcome(round_id)
         if past is not None:
             return past
@@ -478,7 +549,7 @@ class Rounds:
             rnd.sender_digests = dict(digests)
         self._decide_if_complete(rnd)
         await rnd.decided.wait()
-        if rnd.outcome.committed and rnd.plan.members:
+        if rnd.outcome.committed and rnd.plan.members and wait == "serving":
             try:
                 await asyncio.wait_for(rnd.all_applied.wait(), timeout=rnd.plan.timeout_s)
             except asyncio.TimeoutError:
@@ -496,6 +567,12 @@ class Rounds:
             if rnd.outcome is not None and phases:
                 rnd.outcome.phases[replica_id] = dict(phases)
             rnd.record_applied(replica_id)
+        elif phases:
+            # A publish that returned at the commit (wait="committed") may have opened the
+            # next round before this member was done: its phases still go with its outcome.
+            past = self.past_outcome(round_id)
+            if past is not None:
+                past.phases[replica_id] = dict(phases)
 
     def _decide_if_complete(self, rnd: RoundState) -> None:
         if rnd.complete():
@@ -552,6 +629,12 @@ class Rounds:
             # Every participant keeps a committed round's group; after an abort some
             # have dropped it, so the next round forms a new one.
             self._kept = _KeptGroup.of(plan) if committed else None
+            if committed and self._offer is not None and plan.transfer_info is self._offer:
+                self._offer_holders |= rnd.member_ids  # every member received it
+            elif not committed:
+                # Whatever a member's engine holds after a failed round (its failure may be
+                # that it lacks the export), the next round gives every member the offer in full.
+                self._offer_holders -= rnd.member_ids
         elif isinstance(plan, (SessionRound, StorageRound)):
             # A storage round forms no group, but its members forget the one they held
             # (an engine keeps it only across the publish rounds it serves).

@@ -13,6 +13,15 @@ export again and the replicas keep it mapped (:mod:`rollout.sync.backends.ipc_ha
 a steady-state publish maps nothing. The handles name this process's GPU by UUID: a
 replica on another GPU fails the round with vLLM's "IPC handle not found for GPU UUID".
 
+While the same export is offered again after a round that committed with it, the
+publisher names it by its id alone (:meth:`IpcTransferInfo.reference`): the coordinator
+keeps the last complete offer, puts its handles only into the plan of a member that did
+not receive that export in a committed round (one that joined or restarted since), and
+every other message of the round carries the id, not ~100 KiB of handles (under Ray's
+inline-object limit, issue 41); the round's parameter list goes by its digest alongside
+(``RoundRequest.params_digest``, ``PushRound.params_digest``). A member whose engine lacks the export anyway fails the
+round (every replica keeps the committed version) and the next offer repeats the handles.
+
 The handles travel pickled (vLLM's ``ipc_handles_pickled``, a string that crosses vLLM's
 engine-core channel as plain msgpack) and our engine unpickles them itself: vLLM's own
 IPC engine does so only under ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, a factor of vLLM's
@@ -51,20 +60,33 @@ class IpcTransferInfo(TransferInfo):
     """What an ``ipc`` publisher offers: one CUDA IPC handle per parameter, in the round's
     ``params`` order, pickled and base64-encoded (vLLM's ``ipc_handles_pickled``), and the
     export's id (the same while the publisher offers the same handles again; "" names
-    none, and replicas then map the handles every round)."""
+    none, and replicas then map the handles every round). Without handles, the export
+    ``export_id`` names, offered before (:meth:`reference`)."""
 
     ipc_handles_pickled: str
     export_id: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ipc_handles_pickled, str) or not self.ipc_handles_pickled:
-            from rollout.errors import InvalidRequestError
+        from rollout.errors import InvalidRequestError
 
+        if not isinstance(self.ipc_handles_pickled, str) or not isinstance(self.export_id, str):
             raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)
+        if not self.ipc_handles_pickled and not self.export_id:
+            raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)
+
+    def offer_id(self) -> str:
+        return self.export_id
+
+    def by_reference(self) -> bool:
+        return not self.ipc_handles_pickled
+
+    def reference(self) -> Optional["IpcTransferInfo"]:
+        return IpcTransferInfo("", self.export_id) if self.export_id else None
 
 
 class IpcSender(Sender):
     # No transfer group (group_name stays None): replicas read the handles.
+    pushes = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,6 +99,11 @@ class IpcSender(Sender):
         self._offered: Optional[IpcTransferInfo] = None
         # Whether the last offer was the held export again (no new handles).
         self.export_reused = False
+        # The export the last round committed with: every member of that round holds it,
+        # and the coordinator keeps its handles, so offering it again names it by id.
+        self._committed_export: Optional[str] = None
+        # Whether the last offer named the export by id alone.
+        self.by_reference = False
 
     def offer(self, tensors: Sequence[torch.Tensor]) -> IpcTransferInfo:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -98,13 +125,20 @@ class IpcSender(Sender):
         # replicas need not wait on the handles' IPC events.
         torch.cuda.synchronize(device)
         self.phases = {"offer": time.perf_counter() - t0}
-        return self._offered
+        self.by_reference = self.export_reused and self._committed_export == self._offered.export_id
+        return self._offered.reference() if self.by_reference else self._offered
+
+    def decided(self, version: Optional[int]) -> None:
+        self._committed_export = self._offered.export_id if version is not None and self._offered is not None else None
+
+    def offer_unknown(self) -> None:
+        self._committed_export = None
 
     def send(self, plan: TransferRound, tensors: Sequence[torch.Tensor]) -> None:
         pass  # the replicas pull through the offered handles
 
     def close(self) -> None:
-        self._shared, self._signature, self._offered = [], None, None
+        self._shared, self._signature, self._offered, self._committed_export = [], None, None, None
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # let the driver free storage no replica maps any more
 
@@ -114,6 +148,7 @@ class IpcBackend(SyncBackend):
     sender_cls = IpcSender
     transfer_info_cls = IpcTransferInfo
     has_rendezvous = False  # every parameter has its own handle (zero-copy for the trainer)
+    init_once = True  # the init only records packed=False: replicas init their engine once
     # Replicas receive with vLLM's IPC engine less its per-round rebuild and layerwise
     # reload (ipc_worker); "ipc" in vLLM's factory stays vLLM's engine.
     worker_engine = "rollout.sync.backends.ipc_worker:DirectIpcWeightTransferEngine"
@@ -128,7 +163,7 @@ class IpcBackend(SyncBackend):
         """Replicas pull from the publisher's handles: required, and nothing else."""
         from rollout.errors import InvalidRequestError
 
-        if isinstance(transfer_info, dict) and not {IPC_HANDLES} <= set(transfer_info) <= {IPC_HANDLES, EXPORT_ID}:
+        if isinstance(transfer_info, dict) and not (set(transfer_info) and set(transfer_info) <= {IPC_HANDLES, EXPORT_ID}):
             raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)
         if transfer_info is None:
             raise InvalidRequestError(f"transfer_info.{IPC_HANDLES}", _NEEDS_HANDLES)

@@ -57,14 +57,14 @@ class DirectIpcUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    ipc_handles_pickled: str
+    ipc_handles_pickled: str  # "" where the round names the export this engine holds by its id alone
     export_id: str = ""  # "" where the publisher names no export: rebuilt every round
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"names, dtype_names and shapes must have one entry per parameter (got {len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)})")
-        if not isinstance(self.ipc_handles_pickled, str) or not self.ipc_handles_pickled:
-            raise ValueError("`ipc_handles_pickled` is required: the trainer's CUDA IPC handles")
+        if not isinstance(self.ipc_handles_pickled, str) or not (self.ipc_handles_pickled or self.export_id):
+            raise ValueError("`ipc_handles_pickled` is required: the trainer's CUDA IPC handles (or the `export_id` of the export this engine holds)")
 
 
 class DirectIpcWeightTransferEngine(DirectReceiver, IPCWeightTransferEngine):
@@ -112,6 +112,10 @@ class DirectIpcWeightTransferEngine(DirectReceiver, IPCWeightTransferEngine):
         held = self._held.reuse(info.export_id, len(info.names))
         if held is not None:
             return held
+        if not info.ipc_handles_pickled:
+            # Named by id for a member the coordinator believed holds it: the round fails
+            # (every replica keeps the committed version) and the next offer has the handles.
+            raise ValueError(f"the round names export {info.export_id} without its handles, but this engine holds {self._held.export_id or 'none'}")
         # Unpickled here, not under vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION (see rollout.sync.backends.ipc).
         handles = unpickle_handles(info.ipc_handles_pickled)
         if len(handles) != len(info.names):
