@@ -95,6 +95,10 @@ async def blocked_round(model_dir, monkeypatch, backend: str, port: int):
     from rollout.sync.coordinator import WeightSyncCoordinator
 
     monkeypatch.setattr(agent_module, "WEDGED_GRACE_S", 0.2)
+    # vLLM imported before the timed round, as a replica has it (its engine imported it):
+    # a first `import vllm` inside the round blocks the loop for seconds (0.33's patches
+    # torch's inductor at import), which a 10 s bound on a loaded machine does not absorb.
+    import vllm.distributed.weight_transfer.base  # noqa: F401
     coordinator = WeightSyncCoordinator({"model": {"path": str(model_dir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 0.5, "require_token": False}}, backend)
     specs = checkpoint_spec(str(model_dir))
     await coordinator.register("a", 1, 0, specs)

@@ -3,7 +3,8 @@
 vLLM has (feature detection), never by its version string; :func:`vllm_version` is for
 records only.
 
-What differs, 0.32 → 0.33 (read from both wheels' sources), and what is done here:
+What differs, 0.32 → 0.33 (read from both wheels' sources; 0.33's also imported with every
+platform module and the engine-free tests run against it, on CPU), and what is done here:
 
 - ``make_arg_parser`` / ``validate_parsed_serve_args`` moved from
   ``vllm.entrypoints.launchers.cli_args`` to ``vllm.entrypoints.common.cli_args``:
@@ -17,25 +18,46 @@ What differs, 0.32 → 0.33 (read from both wheels' sources), and what is done h
   with a retryable error (HTTP 503) until resume; 0.32 queued them. The platform's pauses
   (a sync round's, a trainer's hold) keep queuing them in both, as their requests' salts
   assume: :func:`pause_scheduler` pauses at the scheduler (``engine_core.pause_scheduler_async``,
-  in both versions; only ``pause_generation`` sets 0.33's rejection).
+  in both versions; only ``pause_generation`` sets 0.33's rejection). Its "keep" mode,
+  which the agent calls directly, rejects nothing in either.
+- ``ChatCompletionRequest.skip_special_tokens`` defaults to True in 0.32 and to None in
+  0.33 (the server resolves None from the model's default sampling params): an episode
+  turn's plan reads it after the tool parser, :func:`skip_special_tokens`.
 
 The same in both (checked, nothing to do): ``AsyncLLM``'s calls the platform makes
 (``generate``, weight-transfer and version calls, ``pause_generation`` /
-``resume_generation``'s signatures, LoRA, sleep/wake, ``collective_rpc``), the
-weight-transfer factory and the engines' worker interface, ``IPCWeightTransferUpdateInfo``,
-the packed NCCL producer/consumer signatures, ``nccl_common.trainer_init`` /
-``worker_init_payload``, ``WeightTransferConfig``, the OpenAI app builder
-(``build_app``, ``init_app_state``). Also new in 0.33 and handled where it lands: vLLM's
-NCCL trainer engine sends an ``/update_weights`` without names, dtypes and shapes when they
-did not change (the RL routes' sessions reuse the last announced ones,
-:mod:`rollout.sync.sessions`).
+``resume_generation``'s signatures, LoRA, sleep/wake, ``collective_rpc``, ``errored`` /
+``dead_error``, ``from_vllm_config``), the weight-transfer factory and the worker-side
+engines (``WeightTransferEngine``, ``IPCWeightTransferEngine.receive_weights``,
+``IPCWeightTransferUpdateInfo``), the packed NCCL producer/consumer signatures,
+``nccl_common.trainer_init`` / ``worker_init_payload`` / ``stateless_init_process_group``,
+``WeightTransferConfig``, the layerwise reload (``model_loader/reload``, unchanged), the
+checkpoint patches of the delta engines, the OpenAI app builder (``build_app``,
+``init_app_state``), ``SamplingParams`` / ``CompletionOutput`` fields the platform reads
+(flat logprobs, ``weight_versions``, ``routed_experts``, ``routed_experts_prompt_start``),
+every ``EngineArgs`` field the platform sets, the usage context's scheduler defaults, the
+stat logger interface and metric names, and the V2-model-runner rule for routed experts
+(``VLLM_USE_V2_MODEL_RUNNER``: routed experts need V2 in both, V2 the default where Triton
+is). Also new in 0.33 and handled where it lands: vLLM's NCCL trainer engine sends an
+``/update_weights`` without names, dtypes and shapes when they did not change (its update
+info defaults the three lists), and the RL routes' sessions reuse the last announced ones
+(:mod:`rollout.sync.sessions`), so the platform's engines, whose direct path overrides
+``receive_weights``, always get them. New in 0.33 with no platform change: the Ray executor
+is ``RayExecutorV2`` only (0.32's default too; ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND`` is
+gone), an engine-core stack-dump watchdog (off unless ``watchdog_config.dump_dir`` is set),
+requests an engine core refuses (a paused ``pause_generation``, a structured-output
+validation) end in ``GenerationError`` / ``VLLMValidationError`` from ``generate``, vLLM's
+own HTTP error for a dead engine says "The server had an error while processing your
+request." (the platform's own death reason still reads ``dead_error``), LoRA refuses a
+model without ``SupportsLoRA`` at config time, and ``import vllm`` imports torch's
+inductor (seconds on a loaded CPU).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -133,3 +155,18 @@ async def pause_scheduler(engine: Any, mode: str, clear_cache: bool = True) -> N
     if clear_cache:  # as pause_generation does
         await renderer.clear_mm_cache_async()
     await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+
+# ---- a chat request's defaults ------------------------------------------------------
+
+
+def skip_special_tokens(value: Optional[bool]) -> bool:
+    """Whether a turn skips special tokens in its text, given ``ChatCompletionRequest``'s
+    ``skip_special_tokens`` as a tool parser's ``adjust_request`` left it (``hermes`` sets
+    False where tools may be called). 0.32's request defaults it to True; 0.33's leaves it
+    None unless the request or the parser set it, and its chat server then takes the
+    model's default sampling params' value, True where they name none
+    (``to_sampling_params``). The platform's turns take no sampling defaults from the
+    model's generation config, so None is True here, as 0.32's default was; a None handed
+    on to ``SamplingParams`` would read as False (special tokens kept in the text)."""
+    return True if value is None else bool(value)

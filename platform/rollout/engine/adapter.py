@@ -148,12 +148,13 @@ class EngineAdapter:
         from vllm.exceptions import VLLMClientError
 
         from rollout.engine.convert import to_sample, to_sampling_params
+        from rollout.vllm_compat import skip_special_tokens
 
         started = time.monotonic()
         plan = turn.plan if turn is not None else None
         routed_start = turn.routed_experts_start if turn is not None else 0
         params = (
-            to_sampling_params(req.sampling, req.n, constraint=plan.structured_outputs, skip_special_tokens=plan.skip_special_tokens, routed_experts_start=routed_start)
+            to_sampling_params(req.sampling, req.n, constraint=plan.structured_outputs, skip_special_tokens=skip_special_tokens(plan.skip_special_tokens), routed_experts_start=routed_start)
             if plan is not None
             else to_sampling_params(req.sampling, req.n, routed_experts_start=routed_start)
         )

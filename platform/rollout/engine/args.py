@@ -77,9 +77,9 @@ def prepare_engine_environment(device: str, model: ModelConfig) -> None:
             logger.info("%s=%s for vLLM's engine on CPU", key, value)
 
 
-# vLLM 0.32 returns routed experts only from its V2 model runner (config/vllm.py,
-# _verify_aux_output_compatibility). V2 is its default where Triton is installed, but an
-# operator's VLLM_USE_V2_MODEL_RUNNER=0 (or a Triton-less image) would choose V1.
+# vLLM returns routed experts only from its V2 model runner (config/vllm.py,
+# _verify_aux_output_compatibility; 0.32 and 0.33 alike). V2 is its default where Triton is
+# installed, but an operator's VLLM_USE_V2_MODEL_RUNNER=0 (or a Triton-less image) would choose V1.
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 

@@ -24,7 +24,9 @@ class TurnPlan:
     request: Any  # vLLM's ChatCompletionRequest, adjusted by the parser
     parser: Any
     structured_outputs: Any  # vLLM StructuredOutputsParams, or None
-    skip_special_tokens: bool
+    # As the parser left the request: vLLM 0.33's request leaves it None where neither the
+    # request nor the parser set it (rollout.vllm_compat.skip_special_tokens reads it).
+    skip_special_tokens: Optional[bool]
 
 
 @dataclass(frozen=True)
