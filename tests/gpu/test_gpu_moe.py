@@ -6,8 +6,9 @@
   vLLM engine's; teacher-forcing the same tokens through the transformers model of the same
   weights (float32) picks the same top-k experts at every position and layer, or swaps experts
   it ranks within a rounding's reach (``compare.judge_routing``: near-ties reported, never
-  hidden; measured on CPU by ``tests/gpu/moe_routing_drift.py``); after a publish whose router gates are rolled by one expert, layer 0's
-  experts are the old ones + 1 and everything equals a fresh engine on the new weights.
+  hidden; the tolerance measured on CPU by ``tests/gpu/moe_routing_drift.py``); after a
+  publish whose router gates are rolled by one expert, layer 0's experts are the old ones + 1
+  and everything equals a fresh engine on the new weights.
 * FP8: the 1.5B model served with ``model.quantization: fp8`` takes a BF16 publish (vLLM's
   layerwise reload quantizes it again); its greedy tokens equal a fresh FP8 engine loaded
   from the same BF16 weights (judged by logprobs, ``compare.judge``), its samples carry
