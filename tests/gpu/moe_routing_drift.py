@@ -1,9 +1,10 @@
 """How far bf16 routing drifts from a float32 teacher on the ``moe`` preset, on CPU: the
 measurement behind ``tests.gpu.compare.ROUTE_TIE`` and ``ROUTE_AGREE_FLOOR`` (GPU check 15).
 
-transformers runs the model twice on the same bf16 weights: in bf16 (weights, activations
-and router logits, as vLLM's unquantized gate returns them: the stand-in for the engine) and
-in float32 (the check's teacher). The sequences are the check's: its prompts with 24 greedy
+transformers runs the model twice on the same bf16 weights: in bf16 (weights, activations,
+KV cache and router logits, as vLLM's unquantized gate returns them: the stand-in for the
+engine, each prompt prefilled and every other token decoded alone, as served; also the whole
+sequence in one forward) and in float32 (the check's teacher, one forward). The sequences are the check's: its prompts with 24 greedy
 tokens each, four sampled continuations of the first, a two-turn chat episode. It prints the
 router logits' error by layer, the judgement of the bf16 rows (``compare.judge_routing``),
 and the same judgement of rows a broken platform would return (one token late or early,
@@ -28,61 +29,92 @@ from tests.gpu.compare import ROUTE_AGREE_FLOOR, ROUTE_TIE, judge_routing, routi
 PROMPTS = [[5, 17, 42, 99, 3], [100, 200, 300], [7] * 40, list(range(10, 74)), [900, 12, 77], [31] * 5 + [8] * 5]  # test_gpu_moe.PROMPTS
 
 
-def sequences(model, path: Path) -> list[tuple[str, list[int]]]:
+def sequences(model, path: Path) -> list[tuple[str, list[int], list[tuple[int, int]]]]:
+    """(kind, token ids, the spans the engine prefills: every other token it decodes alone)."""
     from transformers import AutoTokenizer
 
     gen = dict(pad_token_id=0, eos_token_id=None)
     out = []
     with torch.no_grad():
         for p in PROMPTS:
-            out.append(("greedy", model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, **gen)[0].tolist()))
+            out.append(("greedy", model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, **gen)[0].tolist(), [(0, len(p))]))
         for i in range(4):
             torch.manual_seed(i)
-            out.append(("sampled", model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **gen)[0].tolist()))
+            ids = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=16, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **gen)[0].tolist()
+            out.append(("sampled", ids, [(0, len(PROMPTS[0]))]))
         tok = AutoTokenizer.from_pretrained(str(path))
 
         def chat(content: str) -> list[int]:
             ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-        ids = model.generate(torch.tensor([chat("the policy reward model is")]), max_new_tokens=12, do_sample=False, **gen)[0].tolist()
-        ids = model.generate(torch.tensor([ids + chat("and then?")]), max_new_tokens=12, do_sample=False, **gen)[0].tolist()
-        out.append(("episode", ids))
+        first, second = chat("the policy reward model is"), chat("and then?")
+        turn1 = model.generate(torch.tensor([first]), max_new_tokens=12, do_sample=False, **gen)[0].tolist()
+        ids = model.generate(torch.tensor([turn1 + second]), max_new_tokens=12, do_sample=False, **gen)[0].tolist()
+        # Turn 2 prefills what the engine has not run: turn 1's last token and the new message.
+        out.append(("episode", ids, [(0, len(first)), (len(turn1) - 1, len(turn1) + len(second))]))
     return out
 
 
-def router_logits(model, ids: list[int]) -> torch.Tensor:
-    """``[tokens, layers, experts]`` float32, the gates' outputs (bf16 in a bf16 model)."""
+def _hooked(model, run) -> list[torch.Tensor]:
     store: list[torch.Tensor] = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, o: store.append(o[0] if isinstance(o, tuple) else o)) for layer in model.model.layers]
     try:
         with torch.no_grad():
-            model(torch.tensor([ids]))
+            run()
     finally:
         for h in hooks:
             h.remove()
+    return store
+
+
+def router_logits(model, ids: list[int]) -> torch.Tensor:
+    """``[tokens, layers, experts]`` float32: the gates' outputs (bf16 in a bf16 model) over
+    the whole sequence in one forward, as the teacher runs it."""
+    store = _hooked(model, lambda: model(torch.tensor([ids])))
     return torch.stack([x.reshape(len(ids), -1).float() for x in store], dim=1)
 
 
-def measure(path: Path) -> list[tuple[str, list[int], torch.Tensor, torch.Tensor]]:
+def router_logits_as_served(model, ids: list[int], prefills: list[tuple[int, int]]) -> torch.Tensor:
+    """The same for all tokens but the last, run as the engine runs them: each span in
+    ``prefills`` in one forward, every other token alone, on a KV cache of the model's dtype."""
+    from transformers import DynamicCache
+
+    starts = dict(prefills)
+    cache = DynamicCache()
+    rows, t = [], 0
+    while t < len(ids) - 1:
+        end = min(starts.get(t, t + 1), len(ids) - 1)
+        store = _hooked(model, lambda: model(torch.tensor([ids[t:end]]), past_key_values=cache, use_cache=True))
+        rows.append(torch.stack([x.reshape(end - t, -1).float() for x in store], dim=1))
+        t = end
+    return torch.cat(rows)
+
+
+def measure(path: Path):
+    """(kind, ids, bf16 logits as served, float32 teacher's, bf16 in one forward) per sequence;
+    the last token has no routing (the engine never runs it)."""
     from transformers import AutoModelForCausalLM
 
     bf16 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     fp32 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    # The last token of a sequence has no routing (the engine never runs it).
-    return [(kind, ids, router_logits(bf16, ids)[:-1], router_logits(fp32, ids)[:-1]) for kind, ids in sequences(bf16, path)]
+    return [
+        (kind, ids, router_logits_as_served(bf16, ids, spans), router_logits(fp32, ids)[:-1], router_logits(bf16, ids)[:-1])
+        for kind, ids, spans in sequences(bf16, path)
+    ]
 
 
 def report(recs) -> None:
     k = 8
-    err = torch.cat([(a - b).abs() for _, _, a, b in recs])
+    err = torch.cat([(a - b).abs() for _, _, a, b, _ in recs])
     for layer in range(err.shape[1]):
         x = err[:, layer].flatten()
-        print(f"layer {layer:2d}: |bf16 - fp32| router logit error median {x.median():.4f}, p99 {x.quantile(0.99):.4f}, max {x.max():.4f}")
-    print(f"teacher logits' std {torch.cat([b for *_, b in recs]).std():.3f}; near-tie tolerance {ROUTE_TIE} std, agreement floor {ROUTE_AGREE_FLOOR:.0%}")
+        print(f"layer {layer:2d}: |bf16 as served - fp32| router logit error median {x.median():.4f}, p99 {x.quantile(0.99):.4f}, max {x.max():.4f}")
+    print(f"teacher logits' std {torch.cat([b for _, _, _, b, _ in recs]).std():.3f}; near-tie tolerance {ROUTE_TIE} std, agreement floor {ROUTE_AGREE_FLOOR:.0%}")
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(1))
     cases = {
-        "honest (bf16 rows)": lambda a: a.topk(k, -1).indices,
+        "honest (bf16, prefill + decode, as served)": lambda a: a.topk(k, -1).indices,
+        "honest (bf16, one forward)": None,
         "one token late": lambda a: torch.cat([a[1:], a[-1:]]).topk(k, -1).indices,
         "one token early": lambda a: torch.cat([a[:1], a[:-1]]).topk(k, -1).indices,
         "another router": lambda a: perm[a.topk(k, -1).indices],
@@ -90,7 +122,10 @@ def report(recs) -> None:
         "layers off by one": lambda a: torch.roll(a.topk(k, -1).indices, 1, dims=1),
     }
     for name, rows_of in cases.items():
-        verdicts = [judge_routing(rows_of(a).numpy(), b.numpy()) for _, _, a, b in recs]
+        if rows_of is None:
+            verdicts = [judge_routing(whole.topk(k, -1).indices.numpy(), b.numpy()) for _, _, _, b, whole in recs]
+        else:
+            verdicts = [judge_routing(rows_of(a).numpy(), b.numpy()) for _, _, a, b, _ in recs]
         pairs, agree = sum(v.pairs for v in verdicts), sum(v.agree for v in verdicts)
         inv = np.array([x[2] for v in verdicts for x in [*v.near_ties, *v.beyond]])
         q = (lambda p: float(np.quantile(inv, p))) if inv.size else (lambda p: 0.0)
