@@ -89,3 +89,81 @@ def test_tolerances_are_the_callers_to_choose():
 def test_malformed_inputs_name_the_field(got_logprobs, want_top, field):
     with pytest.raises(ValueError, match=field):
         judge(WANT, got_logprobs, WANT, want_top)
+
+
+# ---- router replay (compare.judge_routing) -------------------------------------------------
+
+import numpy as np  # noqa: E402
+
+from tests.gpu.compare import ROUTE_AGREE_FLOOR, ROUTE_TIE, judge_routing, routing_failures  # noqa: E402
+
+# Two tokens, one layer, six experts, top 2; scaled so each pair's logits have std 1, so an
+# inversion reads in the same units as the logits.
+_RAW = np.array([[[2.0, 1.0, 0.95, -1.0, -1.0, -1.95]], [[-0.5, 3.0, -0.5, -0.5, 1.0, -2.5]]])
+LOGITS = _RAW / _RAW.std(axis=-1, keepdims=True)
+
+
+def test_the_teachers_sets_agree_whatever_the_engines_order():
+    v = judge_routing(np.array([[[1, 0]], [[4, 1]]]), LOGITS)
+    assert (v.pairs, v.agree, v.agree_by_layer, v.near_ties, v.beyond, v.largest_inversion) == (2, 2, [2], [], [], 0.0)
+    assert routing_failures([v]) == []
+
+
+def test_a_swap_at_a_near_tie_is_reported_not_failed():
+    # Token 0: the engine took expert 2 for the teacher's 1, 0.036 std below it.
+    near = LOGITS[0, 0, 1] - LOGITS[0, 0, 2]
+    assert near < ROUTE_TIE
+    v = judge_routing(np.array([[[0, 2]], [[1, 4]]]), LOGITS)
+    assert v.agree == 1 and v.beyond == [] and v.largest_inversion == pytest.approx(near)
+    assert v.near_ties == [(0, 0, pytest.approx(near, abs=1e-4))]
+    assert routing_failures([v], floor=0.5) == []
+
+
+def test_the_inversion_is_between_the_swapped_experts_not_the_boundary():
+    # The teacher's 2nd and 3rd nearly tie, but the engine dropped its 1st for its 3rd:
+    # 0.75 std apart, beyond any rounding, whatever the gap at the boundary.
+    far = LOGITS[0, 0, 0] - LOGITS[0, 0, 2]
+    assert far > ROUTE_TIE
+    v = judge_routing(np.array([[[1, 2]], [[1, 4]]]), LOGITS)
+    assert v.near_ties == [] and v.beyond == [(0, 0, pytest.approx(far, abs=1e-4), [1, 2], [0, 1])]
+    assert "1 of 2 (token, layer) pairs route differently from the teacher beyond a near-tie" in routing_failures([v], floor=0.0)[0]
+
+
+def test_rows_a_token_off_fail():
+    # Each token judged against the other's rows.
+    v = judge_routing(np.array([[[1, 4]], [[0, 1]]]), LOGITS)
+    assert v.agree == 0 and len(v.beyond) == 2 and v.largest_inversion > 1
+    reasons = routing_failures([v])
+    assert len(reasons) == 2 and "under the floor of 75%" in reasons[1]
+
+
+def test_near_ties_everywhere_fall_under_the_floor():
+    v = judge_routing(np.array([[[0, 2]], [[1, 4]]]), LOGITS)
+    assert not v.beyond
+    assert routing_failures([v, v], floor=0.6) == ["only 2 of 4 (token, layer) pairs (50.0%) pick the teacher's experts exactly, under the floor of 60%"]
+    assert routing_failures([v, v]) == ["only 2 of 4 (token, layer) pairs (50.0%) pick the teacher's experts exactly, under the floor of 75%"]
+    assert ROUTE_AGREE_FLOOR == 0.75
+
+
+def test_the_tolerance_is_the_callers_to_choose():
+    v = judge_routing(np.array([[[1, 2]], [[1, 4]]]), LOGITS, tie=1.0)
+    assert v.beyond == [] and len(v.near_ties) == 1
+
+
+@pytest.mark.parametrize(
+    "rows, logits, message",
+    [
+        (np.zeros((2, 1, 2), dtype=int), LOGITS[:1], "the same tokens and layers"),
+        (np.array([[[0, 6]], [[1, 4]]]), LOGITS, "expert ids in [0, 6)"),
+        (np.array([[[0, 0]], [[1, 4]]]), LOGITS, "rows[0, 0]: 2 distinct experts expected"),
+    ],
+)
+def test_inputs_that_are_not_a_routing_are_refused(rows, logits, message):
+    import re
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        judge_routing(rows, logits)
+
+
+def test_no_pairs_is_a_failure():
+    assert routing_failures([]) == ["no (token, layer) pairs to judge"]

@@ -224,8 +224,9 @@ def _sparse(m: dict[str, Any]) -> str:
 
 
 _routed = _filled(
-    "replica start {replica_start_s} s; {prompts} prompts x {layers} layers x top-{top_k} ({dtype}) equal a fresh engine's; teacher forcing: "
-    "{teacher_agree} of {teacher_pairs} (token, layer) pairs agree, {near_ties} near-ties (gaps {tie_gaps}), smallest top-k gap {smallest_gap}; "
+    "replica start {replica_start_s} s; {prompts} prompts x {layers} layers x top-{top_k} ({dtype}) equal a fresh engine's; teacher forcing (float32): "
+    "{teacher_agree} of {teacher_pairs} (token, layer) pairs agree (floor {agree_floor}), {near_ties} near-ties and {beyond_tie} beyond one, "
+    "largest inversion {largest_inversion} of the logits' std (tolerance {route_tie}), agreement by layer {agree_by_layer}; "
     "rolled-router publish {publish_s} s, then {prompts_whose_experts_changed} prompts' experts changed, equal to a fresh engine's"
 )
 _fp8 = _filled(

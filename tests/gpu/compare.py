@@ -12,6 +12,11 @@ give logprobs that agree to a few hundredths, where other weights move them by f
 
 The tolerances are a judgement, not a measurement: see :data:`LP_TOL` and :data:`TIE_TOL`;
 every GPU run records the deviations and gaps it saw, so they can be tightened from data.
+
+Router replay is judged the same way (:func:`judge_routing`): the engine's top-k experts
+against a float32 teacher's router logits, a difference accepted only where the teacher
+ranks the experts it swapped within a rounding's reach of each other (:data:`ROUTE_TIE`,
+measured on CPU by ``tests/gpu/moe_routing_drift.py``).
 """
 
 from __future__ import annotations
@@ -115,3 +120,113 @@ def judge(
 def _deviation(a: float, b: float) -> float:
     """|a - b|, infinite where either is not a finite number (never within a tolerance)."""
     return abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+
+
+# ---- router replay: the engine's top-k experts against a teacher's router logits ---------
+#
+# The engine computes in bf16 and returns, for every (token, layer), the ids of the top-k
+# experts its router picked. The teacher runs the same weights in float32 and gives every
+# expert's router logit. Where the two pick different sets, the teacher must have ranked the
+# engine's choice almost as high as its own: the *inversion* of a pair is how far (in the
+# teacher's logits) an expert the teacher picked and the engine dropped lies above one the
+# engine picked and the teacher did not. An honest flip needs the engine's rounding to undo
+# it, so the inversion is at most the sum of two logits' errors; it is measured in the
+# standard deviation of that pair's logits (the router's input is RMS-normalised, so its
+# logits' spread, and their rounding error, scale with the router's weights alone).
+#
+# Measured on CPU (tests/gpu/moe_routing_drift.py, the `moe` preset, the check's own prompts,
+# 24 greedy tokens each, four sampled continuations and a two-turn chat episode: 4,848 pairs),
+# transformers in bf16 (bf16 weights, activations, KV cache and router logits, as vLLM's
+# unquantized gate returns them; each prompt prefilled and every other token decoded alone, as
+# the engine serves them) against the float32 teacher on the same bf16 weights:
+#   * the |bf16 - fp32| router logit error: median 0.02-0.047, p99 0.10-0.17, max 0.40 by layer
+#     (logits' std ~6.4); 4,502 of 4,848 pairs (92.9%) chose the same set; the other 346 are
+#     near-ties, inversions median 0.007, p99 0.036, largest 0.047 std (~0.3 logits), whether
+#     at the boundary or downstream of an earlier flip. The whole sequence in one bf16
+#     forward: 93.0%, largest 0.041, 339 of the 340 differing pairs swapping a single expert;
+#   * rows one token late (a misalignment): 31.5% agree (this random model's neighbouring
+#     tokens route alike), 57.2% of pairs beyond 0.1 std, median inversion 0.48 std, largest
+#     5.2; one token early alike (31.4%, 57.2%);
+#   * another router, a publish not taken (ids + 1) or layers off by one: 0% agree, every pair
+#     beyond 0.1 std (the first percentile of inversions 2.0-2.3 std), 6-8 of 8 experts swapped.
+
+# A disagreement is a near-tie when its inversion is at most this share of the pair's logit
+# std: ~2.1x the largest honest inversion measured on CPU (0.047), a fifth of a misaligned
+# row's median (0.48) and a twentieth of another router's first percentile (2.0-2.3). GPU
+# kernels accumulate in float32 as the CPU's do; every run records its largest inversion, so
+# the tolerance can be tightened from data.
+ROUTE_TIE = 0.1
+# At least this share of all (token, layer) pairs must pick exactly the teacher's set: 92.9%
+# on CPU honest, 31% misaligned by one token, 0% for another router. A second line behind
+# ROUTE_TIE: it fails a platform that is wrong by near-ties everywhere.
+ROUTE_AGREE_FLOOR = 0.75
+
+
+@dataclass(frozen=True)
+class RoutingVerdict:
+    """One sequence's routing against its teacher."""
+
+    pairs: int
+    agree: int  # pairs whose sets are equal
+    agree_by_layer: list[int]
+    near_ties: list[tuple[int, int, float]]  # (token, layer, inversion in logit std) within the tolerance
+    beyond: list[tuple[int, int, float, list[int], list[int]]]  # (token, layer, inversion, engine's ids, teacher's ids) past it
+    largest_inversion: float  # over every disagreement, in logit std (0.0 when all agree)
+
+
+def judge_routing(rows: "np.ndarray", logits: "np.ndarray", tie: float = ROUTE_TIE) -> RoutingVerdict:
+    """``rows``: the engine's expert ids, ``[tokens, layers, k]`` (token t: the routing of
+    the sequence's t-th token); ``logits``: the teacher's router logits of the same tokens,
+    ``[tokens, layers, experts]``. Raises ``ValueError`` for inputs that are not of that form
+    (other shapes are a misalignment the caller checks first; an id out of range or repeated
+    within a row is not a routing)."""
+    import numpy as np
+
+    rows = np.asarray(rows)
+    logits = np.asarray(logits, dtype=np.float64)
+    if rows.ndim != 3 or logits.ndim != 3 or rows.shape[:2] != logits.shape[:2]:
+        raise ValueError(f"rows [tokens, layers, k] and logits [tokens, layers, experts] expected with the same tokens and layers, got {rows.shape} and {logits.shape}")
+    n, layers, k = rows.shape
+    experts = logits.shape[2]
+    if k >= experts or (rows.size and (rows.min() < 0 or rows.max() >= experts)):
+        raise ValueError(f"rows: expert ids in [0, {experts}) expected, k < {experts}; got k={k}, ids {rows.min() if rows.size else None}..{rows.max() if rows.size else None}")
+    teacher = np.argsort(-logits, axis=-1, kind="stable")[..., :k]
+    std = logits.std(axis=-1)
+    agree, near, beyond, largest = 0, [], [], 0.0
+    by_layer = [0] * layers
+    for t in range(n):
+        for l in range(layers):
+            mine, theirs = set(rows[t, l].tolist()), set(teacher[t, l].tolist())
+            if len(mine) != k:
+                raise ValueError(f"rows[{t}, {l}]: {k} distinct experts expected, got {rows[t, l].tolist()}")
+            if mine == theirs:
+                agree += 1
+                by_layer[l] += 1
+                continue
+            row = logits[t, l]
+            inversion = float((max(row[e] for e in theirs - mine) - min(row[e] for e in mine - theirs)) / max(std[t, l], 1e-12))
+            largest = max(largest, inversion)
+            if inversion <= tie:
+                near.append((t, l, round(inversion, 4)))
+            else:
+                beyond.append((t, l, round(inversion, 4), sorted(mine), sorted(theirs)))
+    return RoutingVerdict(pairs=n * layers, agree=agree, agree_by_layer=by_layer, near_ties=near, beyond=beyond, largest_inversion=largest)
+
+
+def routing_failures(verdicts: Sequence[RoutingVerdict], tie: float = ROUTE_TIE, floor: float = ROUTE_AGREE_FLOOR) -> list[str]:
+    """Why a set of sequences' routing is not the teacher's (empty: it is): any pair beyond
+    ``tie`` (the same tolerance the verdicts were judged with), or fewer than ``floor`` of all
+    pairs in agreement."""
+    pairs, agree = sum(v.pairs for v in verdicts), sum(v.agree for v in verdicts)
+    beyond = [(i, *b) for i, v in enumerate(verdicts) for b in v.beyond]
+    out = []
+    if beyond:
+        out.append(
+            f"{len(beyond)} of {pairs} (token, layer) pairs route differently from the teacher beyond a near-tie (inversion > {tie} of the logits' std): "
+            f"(sequence, token, layer, inversion, engine's, teacher's) {beyond[:5]}"
+        )
+    if pairs and agree / pairs < floor:
+        out.append(f"only {agree} of {pairs} (token, layer) pairs ({agree / pairs:.1%}) pick the teacher's experts exactly, under the floor of {floor:.0%}")
+    if not pairs:
+        out.append("no (token, layer) pairs to judge")
+    return out
