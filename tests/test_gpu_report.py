@@ -175,3 +175,12 @@ def test_a_per_request_check_that_stopped_before_its_rounds_shows_its_starts():
     metrics = {k: v for k, v in _per_request_metrics(0).items() if k not in ("table", "rounds_run", "rounds_stopped")}
     row = _check_row(PER_REQUEST, metrics, "19. Per-request", outcome="cut off")
     assert "starts: bare 150.2 s, platform 98.4 s" in row and "interleaved rounds" not in row
+
+
+def test_a_check_the_newest_run_did_not_collect_keeps_its_row_and_where_it_last_passed():
+    sleep = "test_sleep_levels_free_the_replicas_gpu_memory_and_wake_to_the_same_greedy_output"
+    fp8 = "test_an_fp8_replica_takes_a_bf16_publish_and_serves_like_a_fresh_fp8_engine_on_those_weights"
+    newest = {"started": "2026-11-30T00:00:00Z", "environment": {**ENV, "vllm": "0.33.0"}, "checks": {fp8: {"outcome": "passed", "metrics": {}}}}
+    older = {"started": "2026-11-29T00:00:00Z", "environment": ENV, "checks": {sleep: {"outcome": "passed", "metrics": {"version": 1}}}}
+    row = _row(render([(newest, "docs/gpu/new.json"), (older, "docs/gpu/old.json")]), "18. Sleep and wake")
+    assert "| **not run**: not in this run's selection | vLLM 0.32.0: passed (`old.json`) | Last passed 2026-11-29 00:00 UTC (`docs/gpu/old.json`)" in row, row

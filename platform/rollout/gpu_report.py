@@ -413,18 +413,21 @@ def render(runs: list[tuple[dict[str, Any], str]]) -> str:
     lines += [f"Earlier: {_header(r, s)}." for r, s in older]
     lines += ["", "| check | outcome (newest run) | passed on (the newest run per vLLM version) | numbers |", "|---|---|---|---|"]
     for name, (title, summary) in CHECKS.items():
-        if name not in checks:
+        if not any(name in r["checks"] for r, _ in runs):
             continue
-        metrics = checks[name].get("metrics")
+        # A check the newest run did not collect (a stay that ran other files) keeps its row:
+        # what it said last stays visible.
+        entry = checks.get(name, {"outcome": "not run", "reason": "not in this run's selection"})
+        metrics = entry.get("metrics")
         # A check this run did not reach has no numbers of its own: say nothing rather
         # than a row of "None".
         cell = summary(metrics) if metrics else ""
-        if checks[name].get("outcome") != "passed":
+        if entry.get("outcome") != "passed":
             passed = next(((r, s) for r, s in older if r["checks"].get(name, {}).get("outcome") == "passed"), None)
             if passed is not None:
                 r, s = passed
                 cell += f"{'<br>' if cell else ''}Last passed {r['started'][:16].replace('T', ' ')} UTC (`{s}`): {summary(r['checks'][name].get('metrics') or {})}"
-        lines.append(f"| {title} | {_outcome(checks[name])} | {_passed_on(runs, [name])} | {cell} |")
+        lines.append(f"| {title} | {_outcome(entry)} | {_passed_on(runs, [name])} | {cell} |")
     by_file: dict[str, dict[str, Any]] = {}
     for k, v in checks.items():
         if k not in CHECKS:
