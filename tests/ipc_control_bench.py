@@ -146,29 +146,35 @@ def write_model(path: Path, params: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run(rounds: int, params: int, wait: str = "") -> dict:
-    """``wait``: publish's ``wait`` where given (trees before issue 41 have none)."""
+def stage(workdir: Path, loop: asyncio.AbstractEventLoop, timeout_s: float):
+    """A coordinator (ipc) and replica "a" (a :class:`FifoEngine`) started on ``loop`` (as
+    Serve's user-code thread runs them), and a publisher calling them from the caller's
+    thread; every call pickled both ways. Returns (coordinator, engine, agent, publisher)."""
     from rollout.sync.agent import SyncAgent
     from rollout.sync.coordinator import WeightSyncCoordinator
     from rollout.sync.publisher import WeightPublisher
 
-    import vllm.distributed.weight_transfer.base  # noqa: F401 - imported by the agent's first round
-
-    no_cuda()
-    workdir = Path(tempfile.mkdtemp())
-    tensors = write_model(workdir, params)
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    import vllm.distributed.weight_transfer.base  # noqa: F401 - the agent's first round imports it: seconds on a loaded box, not in the round
 
     async def setup():
-        coordinator = WeightSyncCoordinator({"model": {"path": str(workdir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 30, "require_token": False}}, "ipc")
+        coordinator = WeightSyncCoordinator({"model": {"path": str(workdir)}, "metrics": {"enabled": False}, "sync": {"timeout_s": timeout_s, "require_token": False}}, "ipc")
         engine = FifoEngine()
         agent = SyncAgent(engine=engine, coordinator=PicklingLink(coordinator), replica_id="a", ranks=1, model_path=str(workdir))
         await agent.start()
         return coordinator, engine, agent
 
     coordinator, engine, agent = asyncio.run_coroutine_threadsafe(setup(), loop).result(60)
-    publisher = WeightPublisher(PublisherLink(coordinator, loop), "ipc", None)
+    return coordinator, engine, agent, WeightPublisher(PublisherLink(coordinator, loop), "ipc", None)
+
+
+def run(rounds: int, params: int, wait: str = "") -> dict:
+    """``wait``: publish's ``wait`` where given (trees before issue 41 have none)."""
+    no_cuda()
+    workdir = Path(tempfile.mkdtemp())
+    tensors = write_model(workdir, params)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    coordinator, engine, agent, publisher = stage(workdir, loop, timeout_s=30)
     seconds, phases = [], []
     for _ in range(rounds):
         SIZES.clear()

@@ -19,7 +19,7 @@ import pytest
 
 from rollout.contracts.sync_protocol import OfferUnknownError, RoundRequest, params_digest
 from rollout.sync.backends.ipc import IpcTransferInfo
-from tests.ipc_control_bench import SIZES, FifoEngine, PicklingLink, PublisherLink, no_cuda, write_model
+from tests.ipc_control_bench import SIZES, FifoEngine, no_cuda, stage, write_model
 
 PARAMS = 339  # Qwen2-1.5B's tensor count: the messages' sizes are the GPU check's
 
@@ -28,12 +28,6 @@ PARAMS = 339  # Qwen2-1.5B's tensor count: the messages' sizes are the GPU check
 def fleet(monkeypatch, tmp_path):
     """A coordinator (ipc) and replica "a" on a loop of their own (as Serve's user-code
     thread), and a publisher calling them from this thread; every call pickled both ways."""
-    from rollout.sync.agent import SyncAgent
-    from rollout.sync.coordinator import WeightSyncCoordinator
-    from rollout.sync.publisher import WeightPublisher
-
-    import vllm.distributed.weight_transfer.base  # noqa: F401 - the agent's first round imports it: seconds on a loaded box, not in the round
-
     no_cuda(monkeypatch.setattr)
     tensors = write_model(Path(tmp_path), PARAMS)
     loop = asyncio.new_event_loop()
@@ -43,15 +37,7 @@ def fleet(monkeypatch, tmp_path):
     def on_loop(coro, timeout_s=30):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
-    async def setup():
-        coordinator = WeightSyncCoordinator({"model": {"path": str(tmp_path)}, "metrics": {"enabled": False}, "sync": {"timeout_s": 60, "require_token": False}}, "ipc")
-        engine = FifoEngine()
-        agent = SyncAgent(engine=engine, coordinator=PicklingLink(coordinator), replica_id="a", ranks=1, model_path=str(tmp_path))
-        await agent.start()
-        return coordinator, engine, agent
-
-    coordinator, engine, agent = on_loop(setup())
-    publisher = WeightPublisher(PublisherLink(coordinator, loop), "ipc", None)
+    coordinator, engine, agent, publisher = stage(Path(tmp_path), loop, timeout_s=60)
     SIZES.clear()
     yield type("Fleet", (), dict(coordinator=coordinator, engine=engine, agent=agent, publisher=publisher, tensors=tensors, on_loop=staticmethod(on_loop)))
     loop.call_soon_threadsafe(agent.stop)
